@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import VegaProcess
+
+
+@pytest.fixture
+def vega(tmp_path: Path) -> Iterator[Callable[..., VegaProcess]]:
+    """Factory: start a real `vega serve` with the given VEGA_*/TEST_* env; stopped after."""
+    started: list[VegaProcess] = []
+
+    def start(wait_ready: bool = True, **env: str) -> VegaProcess:
+        proc = VegaProcess(env, log_path=tmp_path / f"vega-{len(started)}.log")
+        started.append(proc)
+        return proc.start(wait_ready=wait_ready)
+
+    yield start
+    for proc in started:
+        proc.kill()

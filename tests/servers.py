@@ -1,0 +1,93 @@
+"""Real processes for tests: free ports, and a `vega serve` subprocess that is polled until ready."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(check: Any, timeout_s: float = 60.0, what: str = "condition") -> Any:
+    """Poll ``check()`` until it returns something truthy."""
+    end = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class VegaProcess:
+    """``python -m vega serve`` on a free port, with settings given as VEGA_* env."""
+
+    def __init__(self, env: dict[str, str] | None = None, log_path: Path | None = None,
+                 port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {"VEGA_TORCH_THREADS": "1", "VEGA_WARMUP_BATCHES": "1", **(env or {})}
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait_ready: bool = True) -> VegaProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
+        env.update(self.env)
+        env["VEGA_PORT"] = str(self.port)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "vega", "serve"], env=env,
+                                     stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        if wait_ready:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        def ready() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vega exited with {self.proc.returncode}: {self.log()}")
+            try:
+                return httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(ready, timeout_s, "vega to be ready")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path else ""
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (drain), then wait; kill if it does not exit in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

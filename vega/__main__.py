@@ -1,0 +1,3 @@
+from vega.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""Admission: refuse early, cheaply and on purpose (DESIGN.md rules 1, 3 and 4).
+
+A request is checked, cheapest first, against the class watermarks of the bounded
+queue, the deadline it asks for given the backlog ahead of it, and the token
+bucket. Everything it reads about the queue comes from the batcher as values. A
+refusal raises a VegaError whose ``retry_after_ms`` comes from the backlog and the
+measured service rate, never from a constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vega.batcher import Batcher
+from vega.errors import VegaError
+from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES, SHEDDABLE
+
+MIN_RETRY_MS = 50.0
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    queue_capacity: int
+    shed_watermark: float
+    normal_watermark: float
+    rate_limit: float  # cost units per second; 0 = no token bucket
+    burst: float  # cost units; 0 = one second of rate_limit
+    margin_s: float
+
+
+class TokenBucket:
+    """Refills at ``rate`` per second up to ``size``; ``reserve`` is kept for critical."""
+
+    def __init__(self, rate: float, size: float, reserve: float, now: float) -> None:
+        self.rate = rate
+        self.size = size
+        self.reserve = reserve
+        self.tokens = size
+        self._at = now
+
+    def take(self, cost: float, critical: bool, now: float) -> float:
+        """Take ``cost`` tokens, or return the seconds until they would be there."""
+        self.tokens = min(self.size, self.tokens + (now - self._at) * self.rate)
+        self._at = now
+        floor = 0.0 if critical else self.reserve
+        if self.tokens - cost >= floor:
+            self.tokens -= cost
+            return 0.0
+        return (cost + floor - self.tokens) / self.rate
+
+    def refund(self, cost: float) -> None:
+        self.tokens = min(self.size, self.tokens + cost)
+
+
+class Admission:
+    def __init__(self, config: AdmissionConfig, batcher: Batcher, now: float) -> None:
+        self.config = config
+        self.batcher = batcher
+        capacity = config.queue_capacity
+        # Items of each class may fill the queue up to this many (rule 4: headroom for critical).
+        self.limits = {
+            CRITICAL: capacity,
+            NORMAL: max(1, int(capacity * config.normal_watermark)),
+            SHEDDABLE: int(capacity * config.shed_watermark),
+        }
+        self.bucket: TokenBucket | None = None
+        if config.rate_limit > 0:
+            size = config.burst or config.rate_limit
+            reserve = size * (1.0 - config.normal_watermark)
+            self.bucket = TokenBucket(config.rate_limit, size, reserve, now)
+
+    def admit(self, priority: int, buckets: Sequence[int], deadline: float,
+              now: float) -> list[float]:
+        """Admit a request of ``len(buckets)`` items or raise; return each item's cost."""
+        costs = [self.batcher.item_cost(bucket) for bucket in buckets]
+        self._check_room(priority, len(buckets))
+        self._check_deadline(priority, buckets, deadline, now)
+        if self.bucket is not None:
+            wait_s = self.bucket.take(sum(costs), priority == CRITICAL, now)
+            if wait_s > 0:
+                raise VegaError("rate_limited", "over the admitted compute rate",
+                                retry_after_ms=max(MIN_RETRY_MS, 1000 * wait_s))
+        return costs
+
+    def refund(self, costs: Sequence[float]) -> None:
+        """Give back the tokens of a request admitted but then found invalid."""
+        if self.bucket is not None:
+            self.bucket.refund(sum(costs))
+
+    def _check_room(self, priority: int, count: int) -> None:
+        depth = self.batcher.depth()
+        limit = self.limits[priority]
+        if depth + count <= limit:
+            return
+        code = "shed" if priority == SHEDDABLE else "queue_full"
+        excess = depth + count - limit
+        raise VegaError(code, f"queue at its bound for {PRIORITY_NAMES[priority]} requests",
+                        retry_after_ms=self._drain_ms(excess))
+
+    def _check_deadline(self, priority: int, buckets: Sequence[int], deadline: float,
+                        now: float) -> None:
+        batcher = self.batcher
+        ahead_s = batcher.backlog_s(priority)
+        finish = now + ahead_s + self.config.margin_s
+        size = batcher.config.max_batch_size
+        worst = 0.0
+        for bucket in set(buckets):
+            waiting = batcher.bucket_depth(bucket) + 1
+            # A batch that will not fill waits out the window before it runs.
+            wait_s = 0.0 if waiting >= size else batcher.config.max_wait_s
+            worst = max(worst, wait_s + batcher.times.predict(bucket, min(size, waiting)))
+        if finish + worst > deadline:
+            raise VegaError("deadline_unmeetable",
+                            f"predicted to finish {1000 * (finish + worst - deadline):.1f} ms "
+                            "after its deadline", retry_after_ms=max(MIN_RETRY_MS,
+                                                                     1000 * ahead_s))
+
+    def _drain_ms(self, items: int) -> float:
+        """Milliseconds until ``items`` queued items have been served at the measured rate."""
+        rate = self.batcher.rate.items_per_s
+        if rate <= 0:
+            return 1000.0  # nothing measured yet: the process is just starting
+        return max(MIN_RETRY_MS, 1000 * items / rate)
+
+    def retry_after_ms(self) -> float:
+        """How long until the whole backlog is served: for 503s while draining."""
+        return max(MIN_RETRY_MS, 1000 * self.batcher.backlog_s())
+
+

@@ -1,0 +1,262 @@
+"""The batcher: length buckets, priorities, deadlines, and the size/wait triggers.
+
+Items wait in one deque per (length bucket, priority). The loop wakes on events
+only: an enqueue, a timer set for the moment the oldest item's wait runs out, or a
+finished batch freeing a pipeline slot. A batch takes items from one bucket,
+critical first, so it pads only to its own longest item. Formed batches go to an
+injected ``sink`` (the executor, or the overflow channel); the batcher knows
+neither HTTP nor torch nor Redis.
+
+What admission needs to decide (depth per class, backlog, service rate, predicted
+batch time) the batcher exposes as values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from vega.errors import VegaError
+from vega.records import CRITICAL, PRIORITY_NAMES, Batch, Item
+from vega.timing import BatchTimes, ServiceRate
+
+log = logging.getLogger("vega.batcher")
+
+Sink = Callable[[Batch], Awaitable[None]]
+BatchObserver = Callable[[Batch], None]
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    model: str
+    buckets: tuple[int, ...]  # upper length bound of each bucket
+    max_batch_size: int
+    max_wait_s: float
+    max_inflight: int
+    parallelism: int = 1  # executor threads running batches at once
+    standing_after_s: float = 0.1  # CoDel interval (DESIGN.md rule 5)
+
+
+class Batcher:
+    def __init__(self, config: BatcherConfig, sink: Sink,
+                 on_batch_done: BatchObserver | None = None) -> None:
+        self.config = config
+        self.times = BatchTimes(len(config.buckets))
+        self.rate = ServiceRate(config.parallelism)
+        self._sink = sink
+        self._on_batch_done = on_batch_done
+        self._queues = [[deque[Item]() for _ in PRIORITY_NAMES] for _ in config.buckets]
+        self._bucket_depth = [0] * len(config.buckets)
+        self._depth = [0] * len(PRIORITY_NAMES)
+        self._cost = [0.0] * len(PRIORITY_NAMES)
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(config.max_inflight)
+        self._inflight: set[asyncio.Future[None]] = set()
+        self._nonempty_since: float | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- values read by admission, metrics and status ------------------------------
+
+    def depth(self, priority: int | None = None) -> int:
+        return sum(self._depth) if priority is None else self._depth[priority]
+
+    def cost_ahead(self, priority: int) -> float:
+        """Queued cost that would be served before a new item of ``priority``."""
+        return sum(self._cost[: priority + 1])
+
+    def bucket_depth(self, bucket: int) -> int:
+        return self._bucket_depth[bucket]
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    def backlog_s(self, priority: int = len(PRIORITY_NAMES) - 1) -> float:
+        """Predicted seconds to work through what is queued ahead of ``priority``."""
+        rate = self.rate.cost_per_s or self.predicted_cost_rate()
+        return self.cost_ahead(priority) / rate if rate > 0 else 0.0
+
+    def predicted_cost_rate(self) -> float:
+        """Cost units per second at full batches of the shortest bucket (before measuring)."""
+        unit_s = self.times.per_item_s(0, self.config.max_batch_size)
+        return self.config.parallelism / unit_s if unit_s > 0 else 0.0
+
+    def item_cost(self, bucket: int) -> float:
+        """Compute cost of one item in ``bucket``, in shortest-bucket items (rule 3)."""
+        size = self.config.max_batch_size
+        unit = self.times.per_item_s(0, size)
+        return max(1.0, self.times.per_item_s(bucket, size) / unit) if unit > 0 else 1.0
+
+    def bucket_of(self, length: int) -> int:
+        for index, bound in enumerate(self.config.buckets):
+            if length <= bound:
+                return index
+        return len(self.config.buckets) - 1
+
+    def standing(self, now: float) -> bool:
+        since = self._nonempty_since
+        return since is not None and now - since > self.config.standing_after_s
+
+    async def wait_idle(self) -> None:
+        """Return once nothing is queued or in flight (for drain)."""
+        while any(self._depth) or self._inflight:
+            await self._idle.wait()
+
+    # -- the request side ----------------------------------------------------------
+
+    def enqueue(self, item: Item) -> None:
+        """Queue an admitted item; its future is answered exactly once from here on."""
+        loop = asyncio.get_running_loop()
+        item.enqueued_at = loop.time()
+        self._queues[item.bucket][item.priority].append(item)
+        self._count(item, +1)
+        item.future.add_done_callback(lambda _f, item=item: self._left_queue(item))
+        self._wake.set()
+
+    def _count(self, item: Item, sign: int) -> None:
+        self._depth[item.priority] += sign
+        self._cost[item.priority] += sign * item.cost
+        self._bucket_depth[item.bucket] += sign
+        if sign > 0 and self._nonempty_since is None:
+            self._nonempty_since = item.enqueued_at
+            self._idle.clear()
+        elif sign < 0 and not any(self._depth):
+            self._nonempty_since = None
+
+    def _maybe_idle(self) -> None:
+        # Only ever set when truly idle, so a drain waiting on it cannot wake early
+        # for a batch that is formed but not yet dispatched.
+        if not any(self._depth) and not self._inflight:
+            self._idle.set()
+
+    def _left_queue(self, item: Item) -> None:
+        # Answered or cancelled while still queued (deadline, caller gone): the deque
+        # drops it lazily when it reaches the front; the counts change now.
+        if not item.dispatched_at:
+            item.dispatched_at = -1.0
+            self._count(item, -1)
+            self._maybe_idle()
+
+    # -- the loop ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Form and dispatch batches until cancelled."""
+        while True:
+            await self._slots.acquire()
+            batch: Batch | None = None
+            try:
+                batch = await self._next_batch()
+                self._dispatch(batch)
+            except asyncio.CancelledError:
+                self._slots.release()
+                raise
+            except Exception:
+                log.exception("batch loop error; failing the batch and going on")
+                self._slots.release()
+                if batch is not None:
+                    _fail(batch.items, VegaError("model_error", "internal error forming batch"))
+
+    async def _next_batch(self) -> Batch:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            bucket, wake_at = self._pick(now)
+            if bucket is not None:
+                batch = self._form(bucket, now)
+                if batch.items:
+                    return batch
+                self._maybe_idle()
+                continue
+            self._wake.clear()
+            timer = loop.call_at(wake_at, self._wake.set) if wake_at is not None else None
+            try:
+                await self._wake.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    def _pick(self, now: float) -> tuple[int | None, float | None]:
+        """The bucket to dispatch now (highest class at its head, then oldest), or when to look again."""
+        best: tuple[int, float] | None = None
+        chosen = None
+        wake_at: float | None = None
+        for bucket, queues in enumerate(self._queues):
+            if not self._bucket_depth[bucket]:
+                continue
+            heads = [_front(queue) for queue in queues]
+            oldest = min(item.enqueued_at for item in heads if item is not None)
+            ready_at = oldest + self.config.max_wait_s
+            if self._bucket_depth[bucket] >= self.config.max_batch_size or ready_at <= now:
+                top = next(p for p, item in enumerate(heads) if item is not None)
+                key = (top, oldest)
+                if best is None or key < best:
+                    best, chosen = key, bucket
+            elif wake_at is None or ready_at < wake_at:
+                wake_at = ready_at
+        return chosen, wake_at
+
+    def _form(self, bucket: int, now: float) -> Batch:
+        lifo = self.standing(now)
+        size = min(self.config.max_batch_size, self._bucket_depth[bucket])
+        finish = now + self.times.predict(bucket, size)
+        items: list[Item] = []
+        for priority, queue in enumerate(self._queues[bucket]):
+            while queue and len(items) < self.config.max_batch_size:
+                item = queue.pop() if lifo else queue.popleft()
+                if not item.live:
+                    continue
+                self._count(item, -1)
+                item.dispatched_at = now
+                refusal = self._refuse_at_dispatch(item, finish, now, lifo)
+                if refusal is not None:
+                    item.future.set_exception(refusal)
+                else:
+                    items.append(item)
+        pad_to = max((item.length for item in items), default=0)
+        return Batch(model=self.config.model, bucket=bucket, items=items, formed_at=now, pad_to=pad_to)
+
+    def _refuse_at_dispatch(self, item: Item, finish: float, now: float,
+                            standing: bool) -> VegaError | None:
+        if item.deadline <= finish:
+            return VegaError("deadline_exceeded", "deadline passed while queued")
+        if standing and item.priority != CRITICAL and \
+                now - item.enqueued_at > self.config.standing_after_s:
+            return VegaError("shed", "queued too long under sustained overload",
+                             retry_after_ms=1000 * max(self.backlog_s(), 0.001))
+        return None
+
+    def _dispatch(self, batch: Batch) -> None:
+        done = asyncio.ensure_future(self._sink(batch))
+        self._inflight.add(done)
+        self._idle.clear()
+        done.add_done_callback(lambda f, batch=batch: self._finished(batch, f))
+
+    def _finished(self, batch: Batch, done: asyncio.Future[None]) -> None:
+        self._inflight.discard(done)
+        self._slots.release()
+        self._maybe_idle()
+        error = None if done.cancelled() else done.exception()
+        if error is not None:
+            log.error("batch %d failed outside the model: %r", batch.id, error)
+            _fail(batch.items, VegaError("model_error", "batch failed"))
+        elif batch.infer_s > 0:
+            self.times.observe(batch.bucket, batch.size, batch.infer_s)
+            self.rate.observe(batch.size, sum(item.cost for item in batch.items), batch.infer_s)
+        if self._on_batch_done is not None:
+            self._on_batch_done(batch)
+
+
+def _front(queue: deque[Item]) -> Item | None:
+    while queue and not queue[0].live:
+        queue.popleft()
+    return queue[0] if queue else None
+
+
+def _fail(items: Sequence[Item], error: VegaError) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(error)

@@ -1,0 +1,140 @@
+"""``vega serve|config``: argv -> Settings -> uvicorn on uvloop and httptools.
+
+Exit status: 0 after a clean stop (SIGTERM drains first), 2 for a bad setting,
+3 when the process could not start (model failed to load, port taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+
+from vega.config import SPECS, ConfigError, Settings, load_settings
+
+EXIT_CONFIG = 2
+EXIT_STARTUP = 3
+
+if TYPE_CHECKING:
+    from vega.runtime import Runtime
+
+log = logging.getLogger("vega")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vega", description="Vega inference server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("serve", "run the server"), ("config", "print the effective settings")):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--env-file", help="systemd EnvironmentFile with VEGA_* settings")
+        for spec in SPECS:
+            sub.add_argument(spec.flag, dest=spec.env, metavar="VALUE",
+                             help=f"{spec.doc} [{spec.env}, default {spec.default!r}]")
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    flags = {spec.env: getattr(args, spec.env) for spec in SPECS
+             if getattr(args, spec.env) is not None}
+    return load_settings(env_file=args.env_file, overrides=flags)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from(args)
+    except ConfigError as error:
+        print(f"vega: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.command == "config":
+        for spec in SPECS:
+            value = settings.public()[spec.name]
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+            print(f"{spec.env}={str(shown).lower() if isinstance(shown, bool) else shown}")
+        return 0
+    return serve(settings)
+
+
+def serve(settings: Settings) -> int:
+    from vega.models.loader import ModelLoadError
+    from vega.server import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = create_app(settings)
+    except ModelLoadError as error:
+        print(f"vega: {error}", file=sys.stderr)
+        return EXIT_STARTUP
+    options: dict[str, Any] = {"uds": settings.uds} if settings.uds else {
+        "host": settings.host, "port": settings.port}
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on",
+                            access_log=settings.access_log, log_level=settings.log_level,
+                            timeout_keep_alive=75, **options)
+    server = DrainingServer(config, app.state.runtime)
+    server.run()
+    return 0 if server.started else EXIT_STARTUP
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server, but the first SIGTERM/SIGINT drains before exiting (exit 0).
+
+    uvicorn would stop listening at once and re-raise the signal after shutdown;
+    Vega first answers 503 ``draining`` (so Nginx moves new work elsewhere) while
+    everything admitted finishes, bounded by VEGA_DRAIN_TIMEOUT_S. A second signal
+    stops at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            notify_systemd("READY=1")
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self._loop is None or not self.started:
+            self.should_exit = True
+            self.force_exit = self._draining
+            return
+        self._draining = True
+        log.info("%s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        notify_systemd("STOPPING=1")
+        task = asyncio.ensure_future(self.runtime.drain())
+        task.add_done_callback(lambda _task: setattr(self, "should_exit", True))
+
+
+def notify_systemd(message: str) -> None:
+    """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET, if systemd set one."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        except OSError as error:
+            log.warning("sd_notify %s failed: %s", message, error)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

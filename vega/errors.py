@@ -1,0 +1,61 @@
+"""The error vocabulary of DESIGN.md: one exception type, one code per situation."""
+
+from __future__ import annotations
+
+import math
+
+STATUS_BY_CODE: dict[str, int] = {
+    "invalid_json": 400,
+    "unauthorized": 401,
+    "model_not_found": 404,
+    "payload_too_large": 413,
+    "invalid_input": 422,
+    "rate_limited": 429,
+    "queue_full": 429,
+    "shed": 429,
+    "deadline_unmeetable": 429,
+    "model_error": 500,
+    "not_ready": 503,
+    "draining": 503,
+    "peer_lost": 503,
+    "deadline_exceeded": 504,
+}
+
+# Codes meaning "this request was refused before any work on it began".
+REFUSALS = frozenset({"rate_limited", "queue_full", "shed", "deadline_unmeetable",
+                      "not_ready", "draining"})
+
+
+class VegaError(Exception):
+    """An answer other than 200: its code decides the status (DESIGN.md table)."""
+
+    def __init__(self, code: str, message: str, retry_after_ms: float | None = None) -> None:
+        if code not in STATUS_BY_CODE:
+            raise ValueError(f"unknown error code {code!r}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+    @property
+    def status(self) -> int:
+        return STATUS_BY_CODE[self.code]
+
+    def body(self) -> dict[str, object]:
+        error: dict[str, object] = {"code": self.code, "message": self.message}
+        if self.retry_after_ms is not None:
+            error["retry_after_ms"] = round(self.retry_after_ms)
+        return {"error": error}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_ms is None:
+            return {}
+        # Retry-After is whole seconds; never advertise 0, which invites a stampede.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_ms / 1000)))}
+
+    def __repr__(self) -> str:
+        return f"VegaError({self.code!r}, {self.message!r})"
+
+
+def invalid_input(message: str) -> VegaError:
+    return VegaError("invalid_input", message)

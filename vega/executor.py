@@ -1,0 +1,114 @@
+"""The executor: model code runs here, in threads, never on the event loop.
+
+Each batch is collated, padded, run and split in a worker thread; then the loop is
+woken once (one ``call_soon_threadsafe``) to resolve all the batch's futures. A
+model that raises fails only that batch's items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vega.errors import VegaError
+from vega.models import ModelAdapter
+from vega.records import Batch
+
+log = logging.getLogger("vega.executor")
+
+
+def pick_device(setting: str) -> str:
+    """Resolve ``auto`` to cuda when torch sees a GPU."""
+    if setting != "auto":
+        return setting
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Executor:
+    def __init__(self, models: Mapping[str, ModelAdapter], threads: int = 1,
+                 torch_threads: int = 0) -> None:
+        self.models = dict(models)
+        self._torch_threads = torch_threads
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vega-exec",
+                                        initializer=self._init_thread)
+        self._running = 0
+        self._lock = threading.Lock()
+
+    def _init_thread(self) -> None:
+        if self._torch_threads:
+            import torch
+
+            torch.set_num_threads(self._torch_threads)
+
+    @property
+    def busy(self) -> int:
+        """Batches running in a thread right now."""
+        return self._running
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        """Run any blocking model work (loading, warm-up) on the executor threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def run(self, batch: Batch) -> asyncio.Future[None]:
+        """Run ``batch``; its items' futures are resolved before the returned one."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._pool.submit(self._work, loop, batch, done)
+        return done
+
+    def _work(self, loop: asyncio.AbstractEventLoop, batch: Batch,
+              done: asyncio.Future[None]) -> None:
+        with self._lock:
+            self._running += 1
+        outputs: list[Any] | None = None
+        error: BaseException | None = None
+        try:
+            model = self.models[batch.model]
+            started = time.perf_counter()
+            outputs = model.run([item.sample for item in batch.items], batch.pad_to)
+            batch.infer_s = time.perf_counter() - started
+            if len(outputs) != batch.size:
+                raise RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
+        except Exception as exc:  # the model's failure is this batch's alone
+            error = exc
+        finally:
+            with self._lock:
+                self._running -= 1
+        try:
+            loop.call_soon_threadsafe(_resolve, batch, outputs, error, done)
+        except RuntimeError:  # the loop closed during shutdown; nobody is waiting
+            pass
+
+    def run_sync(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
+        """Run in the calling thread (warm-up, profiling); return outputs and seconds."""
+        started = time.perf_counter()
+        outputs = self.models[model].run(samples, pad_to)
+        return outputs, time.perf_counter() - started
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | None,
+             done: asyncio.Future[None]) -> None:
+    if error is not None or outputs is None:
+        log.error("model %s failed on batch %d of %d: %r", batch.model, batch.id,
+                  batch.size, error)
+        failure = VegaError("model_error", f"model raised {type(error).__name__}")
+        for item in batch.items:
+            if not item.future.done():
+                item.future.set_exception(failure)
+    else:
+        for item, output in zip(batch.items, outputs):
+            if not item.future.done():
+                item.infer_s = batch.infer_s
+                item.future.set_result(output)
+    if not done.done():
+        done.set_result(None)

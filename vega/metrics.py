@@ -1,0 +1,63 @@
+"""Every Prometheus metric of a process, defined once, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from vega.records import PRIORITY_NAMES, Batch
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("vega_requests_total", "Requests answered, by outcome",
+                                ["model", "priority", "outcome"], registry=r)
+        self.rejections = Counter("vega_rejections_total", "Requests refused, by reason",
+                                  ["model", "priority", "reason"], registry=r)
+        self.queue_depth = Gauge("vega_queue_depth", "Items queued", ["model", "priority"],
+                                 registry=r)
+        self.queue_wait = Histogram("vega_queue_wait_seconds", "Time an item waited to be batched",
+                                    ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("vega_batch_size", "Items per batch", ["model"],
+                                    buckets=SIZE_BUCKETS, registry=r)
+        self.padding = Histogram("vega_batch_padding_ratio", "Share of a batch tensor that is padding",
+                                 ["model"], buckets=RATIO_BUCKETS, registry=r)
+        self.inference = Histogram("vega_inference_seconds", "Forward pass time per batch",
+                                   ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("vega_request_seconds", "Time from arrival to answer",
+                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.inflight = Gauge("vega_inflight_batches", "Batches formed and not yet finished",
+                              registry=r)
+        self.service_rate = Gauge("vega_service_rate_items_per_second",
+                                  "Measured items per second of executor time", ["model"],
+                                  registry=r)
+        self.overflow = Counter("vega_overflow_batches_total", "Batches sent to or taken from peers",
+                                ["direction"], registry=r)
+        self.redis_up = Gauge("vega_redis_up", "1 while Redis answers, 0 when it does not",
+                              registry=r)
+        self.ready = Gauge("vega_ready", "1 once warm and not draining", registry=r)
+
+    def observe_batch(self, batch: Batch) -> None:
+        """Once per finished batch: sizes, padding, inference and queue waits."""
+        model = batch.model
+        self.batch_size.labels(model).observe(batch.size)
+        self.padding.labels(model).observe(batch.padding_ratio)
+        if batch.infer_s > 0:
+            self.inference.labels(model).observe(batch.infer_s)
+        wait = self.queue_wait.labels(model)
+        for item in batch.items:
+            wait.observe(max(0.0, item.dispatched_at - item.enqueued_at))
+
+    def set_queue(self, model: str, depths: list[int], inflight: int, rate: float) -> None:
+        for name, depth in zip(PRIORITY_NAMES, depths):
+            self.queue_depth.labels(model, name).set(depth)
+        self.inflight.set(inflight)
+        self.service_rate.labels(model).set(rate)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,124 @@
+"""The model adapter contract, and the adapter for torch modules over sensor windows.
+
+An adapter has two halves. ``decode`` runs on the event loop for every instance, so
+it only validates and converts (cheap, no torch). ``run`` runs in an executor
+thread for a whole batch: collate and pad, forward, split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from vega.errors import invalid_input
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Metadata of one input or output, per instance (no batch dimension)."""
+
+    name: str
+    datatype: str  # Open Inference Protocol name: FP32, INT64, BYTES, ...
+    shape: tuple[int, ...]  # -1 where the size varies
+
+
+@runtime_checkable
+class ModelAdapter(Protocol):
+    name: str
+    version: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_length: int
+    deterministic: bool
+
+    def load(self, device: str) -> None:
+        """Move weights to ``device``; called once, in the executor thread."""
+
+    def decode(self, instance: Any) -> tuple[Any, int]:
+        """Validate one instance; return (sample, length). Raise VegaError(invalid_input)."""
+
+    def run(self, samples: list[Any], pad_to: int) -> list[Any]:
+        """Forward a batch padded to ``pad_to``; one output per sample, in order."""
+
+    def example(self, length: int) -> Any:
+        """A decoded sample of ``length`` for warm-up and profiling."""
+
+
+class SequenceModel:
+    """A torch module ``forward(x[B, L, C] float32, lengths[B] int64) -> [B, ...]``.
+
+    Instances are windows of L timesteps by C channels (1 <= L <= max_length),
+    given as nested lists of finite numbers.
+    """
+
+    deterministic = True
+
+    def __init__(self, module: Any, name: str, *, channels: int, max_length: int,
+                 version: str = "1", output_size: int = -1) -> None:
+        self.module = module
+        self.name = name
+        self.version = version
+        self.channels = channels
+        self.max_length = max_length
+        self.inputs = (TensorSpec("INPUT__0", "FP32", (-1, channels)),)
+        self.outputs = (TensorSpec("OUTPUT__0", "FP32", (output_size,)),)
+        self._device = "cpu"
+
+    def load(self, device: str) -> None:
+        import torch
+
+        self._device = device
+        self.module = self.module.to(torch.device(device)).eval()
+
+    def decode(self, instance: Any) -> tuple[Any, int]:
+        if not isinstance(instance, list) or not instance:
+            raise invalid_input(f"expected a list of 1..{self.max_length} timesteps, "
+                                f"each a list of {self.channels} numbers")
+        try:
+            array = np.asarray(instance)
+        except (ValueError, TypeError, OverflowError):
+            raise invalid_input("instance is ragged or holds non-numbers") from None
+        return self.check_array(array)
+
+    def check_array(self, array: np.ndarray) -> tuple[np.ndarray, int]:
+        """Validate an already-built array (the binary tensor path skips JSON)."""
+        if array.dtype.kind not in "iuf":
+            raise invalid_input(f"expected numbers, got {_kind_name(array)}")
+        if array.ndim != 2 or array.shape[1] != self.channels:
+            raise invalid_input(f"expected shape [L, {self.channels}], got {list(array.shape)}")
+        length = array.shape[0]
+        if not 1 <= length <= self.max_length:
+            raise invalid_input(f"window length {length} outside 1..{self.max_length}")
+        with np.errstate(over="ignore"):
+            array = array.astype(np.float32, copy=False)
+        if not np.isfinite(array).all():
+            raise invalid_input("instance holds NaN, Inf or a number too large for float32")
+        return array, length
+
+    def example(self, length: int) -> Any:
+        rng = np.random.default_rng(length)
+        return rng.standard_normal((length, self.channels)).astype(np.float32)
+
+    def run(self, samples: list[Any], pad_to: int) -> list[Any]:
+        import torch
+
+        batch = np.zeros((len(samples), pad_to, self.channels), dtype=np.float32)
+        lengths = np.empty(len(samples), dtype=np.int64)
+        for row, sample in enumerate(samples):
+            batch[row, : sample.shape[0]] = sample
+            lengths[row] = sample.shape[0]
+        device = torch.device(self._device)
+        with torch.inference_mode():
+            out = self.module(torch.from_numpy(batch).to(device),
+                              torch.from_numpy(lengths).to(device))
+        result = out.detach().float().cpu().numpy()
+        if result.shape[0] != len(samples):
+            raise RuntimeError(f"model returned {result.shape[0]} rows for {len(samples)} inputs")
+        return list(result)
+
+
+def _kind_name(array: np.ndarray) -> str:
+    return {"b": "booleans", "U": "strings", "S": "bytes", "O": "mixed values"}.get(
+        array.dtype.kind, str(array.dtype))

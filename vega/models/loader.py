@@ -1,0 +1,78 @@
+"""Turn a model spec (``sensor``, ``torchscript:PATH``, ``python:module:attr``) into an adapter."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from vega.models.base import ModelAdapter, SequenceModel
+
+
+class ModelLoadError(Exception):
+    """The model spec names something that cannot be loaded; the message says what."""
+
+
+BUILTIN = {"sensor", "sensor-small"}
+
+
+def default_name(spec: str) -> str:
+    kind, _, rest = spec.partition(":")
+    if kind == "torchscript":
+        return Path(rest).stem or "model"
+    if kind == "python":
+        return rest.rpartition(":")[2] or "model"
+    return spec
+
+
+def load_model(spec: str, name: str = "") -> ModelAdapter:
+    """Build the adapter (weights on the CPU; ``load(device)`` moves them)."""
+    name = name or default_name(spec)
+    kind, _, rest = spec.partition(":")
+    if spec == "sensor":
+        from vega.models.sensor import sensor
+
+        return sensor(name)
+    if spec == "sensor-small":
+        from vega.models.sensor import sensor_small
+
+        return sensor_small(name)
+    if kind == "torchscript":
+        return _torchscript(rest, name)
+    if kind == "python":
+        return _python(rest, name)
+    raise ModelLoadError(f"VEGA_MODEL={spec!r}: expected sensor, sensor-small, "
+                         "torchscript:PATH or python:module:attr")
+
+
+def _torchscript(path: str, name: str) -> ModelAdapter:
+    import torch
+
+    try:
+        module = torch.jit.load(path, map_location="cpu")
+    except Exception as exc:  # torch raises many types for a bad file
+        raise ModelLoadError(f"torchscript:{path}: cannot load: {exc}") from None
+    return _wrap_module(module, name)
+
+
+def _python(target: str, name: str) -> ModelAdapter:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ModelLoadError(f"python:{target}: expected python:module:attr")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ModelLoadError(f"python:{target}: {exc}") from None
+    built = factory(name) if callable(factory) else factory
+    if isinstance(built, ModelAdapter):
+        return built
+    return _wrap_module(built, name)
+
+
+def _wrap_module(module: Any, name: str) -> ModelAdapter:
+    """A bare torch module: its ``vega_channels``/``vega_max_length`` attributes, else 8/512."""
+    if not callable(module):
+        raise ModelLoadError(f"model {name!r} is neither an adapter nor a torch module")
+    channels = int(getattr(module, "vega_channels", 8))
+    max_length = int(getattr(module, "vega_max_length", 512))
+    return SequenceModel(module, name, channels=channels, max_length=max_length)

@@ -1,0 +1,71 @@
+"""Records shared along the request path: an item waiting for a model, a batch of them.
+
+Leaf module: the batcher, executor, streams and server all read these; none of
+them is imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+CRITICAL, NORMAL, SHEDDABLE = 0, 1, 2
+PRIORITY_NAMES = ("critical", "normal", "sheddable")
+PRIORITY_BY_NAME = {name: index for index, name in enumerate(PRIORITY_NAMES)}
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Item:
+    """One instance to run through the model, and the future its caller awaits.
+
+    Times are the event loop's monotonic clock, in seconds.
+    """
+
+    model: str
+    sample: Any  # what the model adapter's decode() returned
+    length: int
+    priority: int
+    deadline: float
+    future: asyncio.Future[Any]
+    enqueued_at: float = 0.0
+    dispatched_at: float = 0.0
+    infer_s: float = 0.0  # forward time of the batch that answered it
+    bucket: int = 0  # index into the model's length buckets
+    cost: float = 1.0  # admission cost units
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def live(self) -> bool:
+        """False once answered, cancelled (caller gone) or timed out."""
+        return not self.future.done()
+
+
+@dataclass(eq=False)
+class Batch:
+    """Items of one model and one length bucket, run in one forward pass."""
+
+    model: str
+    bucket: int
+    items: list[Item]
+    formed_at: float
+    pad_to: int  # longest item's length: what the batch pads to
+    infer_s: float = 0.0  # measured by whoever ran it
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def size(self) -> int:
+        return len(self.items)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Share of the padded tensor that is padding (0 = none)."""
+        total = self.pad_to * len(self.items)
+        return 1.0 - sum(item.length for item in self.items) / total if total else 0.0
+
+    @property
+    def deadline(self) -> float:
+        return min(item.deadline for item in self.items)

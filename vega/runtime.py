@@ -1,0 +1,283 @@
+"""The engine of one process: models, executor, and per model a batcher and admission.
+
+The HTTP layer calls ``Runtime.infer``; everything below it is wired here, started
+by ``start`` (load, warm up, then ready) and stopped by ``drain``/``stop``. No HTTP
+here: the Open Inference Protocol routes and the ``/v1`` routes share this path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vega.admission import Admission, AdmissionConfig
+from vega.batcher import Batcher, BatcherConfig
+from vega.config import Settings
+from vega.errors import VegaError
+from vega.executor import Executor, pick_device
+from vega.metrics import Metrics
+from vega.models import ModelAdapter, load_model
+from vega.records import PRIORITY_NAMES, Batch, Item
+
+log = logging.getLogger("vega.runtime")
+
+
+class ClientGone(Exception):
+    """The caller disconnected while its items were queued or running."""
+
+
+@dataclass
+class Answer:
+    outputs: list[Any]
+    queue_s: float
+    infer_s: float
+
+
+@dataclass
+class Served:
+    """One model as served: the adapter, its batcher and its admission."""
+
+    adapter: ModelAdapter
+    batcher: Batcher
+    admission: Admission
+    task: asyncio.Task[None] | None = None
+
+
+class Runtime:
+    def __init__(self, settings: Settings, adapters: Sequence[ModelAdapter] | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.node_id = settings.node_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._adapters = list(adapters) if adapters is not None else [
+            load_model(settings.model, settings.model_name)]
+        self.default_model = self._adapters[0].name
+        self.device = "cpu"
+        self.models: dict[str, Served] = {}
+        self.executor = Executor({a.name: a for a in self._adapters},
+                                 threads=settings.executor_threads,
+                                 torch_threads=settings.torch_threads)
+        self.ready = False
+        self.draining = False
+        self.active_requests = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load and warm every model, start the batch loops, then turn ready."""
+        s = self.settings
+        self.device = pick_device(s.device)
+        if s.torch_threads:
+            import torch
+
+            torch.set_num_threads(s.torch_threads)
+        loop = asyncio.get_running_loop()
+        for adapter in self._adapters:
+            await self.executor.call(adapter.load, self.device)
+            config = BatcherConfig(
+                model=adapter.name, buckets=_buckets_for(s.length_buckets, adapter.max_length),
+                max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
+                max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
+                standing_after_s=s.codel_interval_ms / 1000)
+            batcher = Batcher(config, self._sink, self.metrics.observe_batch)
+            admission = Admission(AdmissionConfig(
+                queue_capacity=s.queue_capacity, shed_watermark=s.shed_watermark,
+                normal_watermark=s.normal_watermark, rate_limit=s.rate_limit, burst=s.burst,
+                margin_s=s.deadline_margin_ms / 1000), batcher, loop.time())
+            served = Served(adapter, batcher, admission)
+            await self.executor.call(self._warm_up, served)
+            served.task = asyncio.create_task(batcher.run(), name=f"batcher-{adapter.name}")
+            served.task.add_done_callback(_log_task_end)
+            self.models[adapter.name] = served
+        self.ready = True
+        self.metrics.ready.set(1)
+        log.info("ready: model(s) %s on %s", ", ".join(self.models), self.device)
+
+    def _warm_up(self, served: Served) -> None:
+        """Run each (bucket, size) shape; the timed passes seed the batch-time predictor."""
+        adapter, batcher = served.adapter, served.batcher
+        passes = self.settings.warmup_batches
+        if passes == 0:
+            return
+        sizes = sorted({1, max(1, batcher.config.max_batch_size // 2),
+                        batcher.config.max_batch_size})
+        for bucket, bound in enumerate(batcher.config.buckets):
+            sample = adapter.example(bound)
+            for size in sizes:
+                samples = [sample] * size
+                self.executor.run_sync(adapter.name, samples, bound)  # first pass: untimed
+                for _ in range(passes):
+                    _, seconds = self.executor.run_sync(adapter.name, samples, bound)
+                    batcher.times.observe(bucket, size, seconds)
+                    batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
+
+    async def drain(self) -> None:
+        """Stop admitting (503 draining) and wait for admitted work, bounded by the timeout."""
+        self.draining = True
+        self.metrics.ready.set(0)
+        try:
+            await asyncio.wait_for(self._until_quiet(), self.settings.drain_timeout_s)
+        except TimeoutError:
+            log.warning("drain timeout: %d request(s) still open", self.active_requests)
+
+    async def _until_quiet(self) -> None:
+        for served in self.models.values():
+            await served.batcher.wait_idle()
+        await self._quiet.wait()
+
+    async def stop(self) -> None:
+        self.ready = False
+        for served in self.models.values():
+            if served.task is not None:
+                served.task.cancel()
+                await asyncio.gather(served.task, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown)
+
+    # -- the request path ----------------------------------------------------------
+
+    def served(self, name: str | None) -> Served:
+        served = self.models.get(name or self.default_model)
+        if served is None:
+            raise VegaError("model_not_found", f"no model named {name!r}")
+        return served
+
+    def check_open(self) -> None:
+        if self.draining:
+            retry = max(1000.0, *(s.admission.retry_after_ms() for s in self.models.values()))
+            raise VegaError("draining", "this process is shutting down", retry_after_ms=retry)
+        if not self.ready:
+            raise VegaError("not_ready", "this process is still warming up",
+                            retry_after_ms=1000.0)
+
+    async def infer(self, model: str | None, instances: Sequence[Any], priority: int,
+                    deadline_ms: float,
+                    disconnected: Callable[[], Awaitable[None]] | None = None) -> Answer:
+        """Admit, queue and await ``instances``; raise VegaError or ClientGone."""
+        self.check_open()
+        served = self.served(model)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadline = now + deadline_ms / 1000
+        batcher = served.batcher
+        buckets = [batcher.bucket_of(_length_hint(instance)) for instance in instances]
+        costs = served.admission.admit(priority, buckets, deadline, now)
+        try:
+            decoded = [served.adapter.decode(instance) for instance in instances]
+        except VegaError:
+            served.admission.refund(costs)
+            raise
+        items = []
+        for (sample, length), cost in zip(decoded, costs):
+            bucket = batcher.bucket_of(length)
+            items.append(Item(model=served.adapter.name, sample=sample, length=length,
+                              priority=priority, deadline=deadline, future=loop.create_future(),
+                              bucket=bucket, cost=cost))
+        self._opened()
+        try:
+            for item in items:
+                batcher.enqueue(item)
+            return await _await_items(items, deadline, disconnected)
+        finally:
+            self._closed()
+
+    def _opened(self) -> None:
+        self.active_requests += 1
+        self._quiet.clear()
+
+    def _closed(self) -> None:
+        self.active_requests -= 1
+        if self.active_requests == 0:
+            self._quiet.set()
+
+    async def _sink(self, batch: Batch) -> None:
+        await self.executor.run(batch)
+
+    # -- what status and metrics read ----------------------------------------------
+
+    def refresh_metrics(self) -> None:
+        inflight = sum(s.batcher.inflight for s in self.models.values())
+        for name, served in self.models.items():
+            depths = [served.batcher.depth(p) for p in range(len(PRIORITY_NAMES))]
+            self.metrics.set_queue(name, depths, inflight, served.batcher.rate.items_per_s)
+
+    def status(self) -> dict[str, Any]:
+        models = {}
+        for name, served in self.models.items():
+            b = served.batcher
+            models[name] = {
+                "depth": {p: b.depth(i) for i, p in enumerate(PRIORITY_NAMES)},
+                "inflight_batches": b.inflight,
+                "service_rate_items_per_s": round(b.rate.items_per_s, 1),
+                "backlog_ms": round(1000 * b.backlog_s(), 2),
+                "standing_queue": b.standing(asyncio.get_running_loop().time()),
+            }
+        return {"node": self.node_id, "ready": self.ready, "draining": self.draining,
+                "device": self.device, "active_requests": self.active_requests,
+                "models": models, "outcomes": self._outcomes()}
+
+    def _outcomes(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for metric in self.metrics.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    outcome = sample.labels["outcome"]
+                    counts[outcome] = counts.get(outcome, 0) + int(sample.value)
+        return counts
+
+
+async def _await_items(items: list[Item], deadline: float,
+                       disconnected: Callable[[], Awaitable[None]] | None) -> Answer:
+    loop = asyncio.get_running_loop()
+    waiting: set[asyncio.Future[Any]] = {item.future for item in items}
+    watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+    if watcher is not None:
+        waiting.add(watcher)
+    try:
+        done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
+                                     return_when=asyncio.FIRST_EXCEPTION)
+        if watcher is not None and watcher.done():
+            raise ClientGone() from (None if watcher.cancelled() else watcher.exception())
+        for item in items:  # the first failure in request order is the answer
+            if item.future.done() and not item.future.cancelled() and item.future.exception():
+                raise _as_vega_error(item.future.exception())
+        if not all(item.future.done() for item in items):
+            raise VegaError("deadline_exceeded", "deadline passed before the answer was ready")
+        return Answer(outputs=[item.future.result() for item in items],
+                      queue_s=max(item.dispatched_at - item.enqueued_at for item in items),
+                      infer_s=max(item.infer_s for item in items))
+    finally:
+        for item in items:  # whatever is left is nobody's answer any more
+            if not item.future.cancel() and not item.future.cancelled():
+                item.future.exception()  # read, so asyncio does not log it as lost
+        if watcher is not None:
+            watcher.cancel()
+
+
+def _as_vega_error(error: BaseException | None) -> VegaError:
+    if isinstance(error, VegaError):
+        return error
+    return VegaError("model_error", f"internal error: {type(error).__name__}")
+
+
+def _length_hint(instance: Any) -> int:
+    try:
+        return max(1, len(instance))
+    except TypeError:
+        return 1
+
+
+def _buckets_for(bounds: tuple[int, ...], max_length: int) -> tuple[int, ...]:
+    """The configured bounds below the model's longest input, and that longest input."""
+    kept = tuple(b for b in bounds if b < max_length)
+    return kept + (max_length,)
+
+
+def _log_task_end(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s died: %r", task.get_name(), task.exception())

@@ -1,0 +1,101 @@
+"""Measured batch times: a predictor per length bucket and the service rate.
+
+Rule 2 of DESIGN.md: predict batch time per (length bucket, batch size) from recent
+measurements, never from a constant. Each bucket keeps its last ``window`` batches
+and fits ``seconds = fixed + per_item * size`` by least squares (BentoML's
+dispatcher does the same); with one distinct size it scales the mean.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Line:
+    fixed_s: float
+    per_item_s: float
+
+    def at(self, size: int) -> float:
+        return max(0.0, self.fixed_s + self.per_item_s * size)
+
+
+class BatchTimes:
+    """Least-squares batch time per bucket over a sliding window of measurements."""
+
+    def __init__(self, buckets: int, window: int = 64) -> None:
+        self._samples: list[deque[tuple[int, float]]] = [deque(maxlen=window)
+                                                         for _ in range(buckets)]
+        self._lines: list[Line | None] = [None] * buckets
+
+    def observe(self, bucket: int, size: int, seconds: float) -> None:
+        samples = self._samples[bucket]
+        samples.append((size, seconds))
+        self._lines[bucket] = _fit(samples)
+
+    def line(self, bucket: int) -> Line | None:
+        return self._lines[bucket]
+
+    def predict(self, bucket: int, size: int) -> float:
+        """Seconds for a batch of ``size`` in ``bucket``; borrows from neighbours if unmeasured."""
+        line = self._lines[bucket]
+        if line is None:
+            line = self._nearest(bucket)
+        return line.at(size) if line is not None else 0.0
+
+    def per_item_s(self, bucket: int, size: int) -> float:
+        return self.predict(bucket, size) / max(1, size)
+
+    def measured(self) -> bool:
+        return any(line is not None for line in self._lines)
+
+    def _nearest(self, bucket: int) -> Line | None:
+        # A longer bucket's line over-predicts a shorter one: the safe side for deadlines.
+        for other in list(range(bucket + 1, len(self._lines))) + list(range(bucket - 1, -1, -1)):
+            if self._lines[other] is not None:
+                return self._lines[other]
+        return None
+
+
+def _fit(samples: deque[tuple[int, float]]) -> Line:
+    n = len(samples)
+    mean_x = sum(size for size, _ in samples) / n
+    mean_y = sum(seconds for _, seconds in samples) / n
+    var_x = sum((size - mean_x) ** 2 for size, _ in samples)
+    if var_x == 0:
+        return Line(0.0, mean_y / mean_x)
+    slope = sum((size - mean_x) * (seconds - mean_y) for size, seconds in samples) / var_x
+    if slope <= 0:  # noise; a batch never gets cheaper with more items
+        return Line(0.0, mean_y / mean_x)
+    return Line(mean_y - slope * mean_x, slope)
+
+
+class ServiceRate:
+    """Items and cost units completed per second of executor time, over recent batches."""
+
+    def __init__(self, parallelism: int, window: int = 128) -> None:
+        self.parallelism = parallelism
+        self._batches: deque[tuple[int, float, float]] = deque(maxlen=window)
+        self._items = 0
+        self._cost = 0.0
+        self._seconds = 0.0
+
+    def observe(self, items: int, cost: float, seconds: float) -> None:
+        if len(self._batches) == self._batches.maxlen:
+            old_items, old_cost, old_seconds = self._batches[0]
+            self._items -= old_items
+            self._cost -= old_cost
+            self._seconds -= old_seconds
+        self._batches.append((items, cost, seconds))
+        self._items += items
+        self._cost += cost
+        self._seconds += seconds
+
+    @property
+    def items_per_s(self) -> float:
+        return self.parallelism * self._items / self._seconds if self._seconds > 0 else 0.0
+
+    @property
+    def cost_per_s(self) -> float:
+        return self.parallelism * self._cost / self._seconds if self._seconds > 0 else 0.0
