@@ -21,3 +21,20 @@ def vega(tmp_path: Path) -> Iterator[Callable[..., VegaProcess]]:
     yield start
     for proc in started:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def vega_module(tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[Callable[..., VegaProcess]]:
+    """As ``vega``, shared by the tests of one module (each start costs seconds)."""
+    started: list[VegaProcess] = []
+    logs = tmp_path_factory.mktemp("vega")
+
+    def start(wait_ready: bool = True, **env: str) -> VegaProcess:
+        proc = VegaProcess(env, log_path=logs / f"vega-{len(started)}.log")
+        started.append(proc)
+        return proc.start(wait_ready=wait_ready)
+
+    yield start
+    for proc in started:
+        proc.kill()

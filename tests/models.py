@@ -30,6 +30,7 @@ class _Echo:
         self.lock = threading.Lock()
 
     def to(self, device: Any) -> _Echo:
+        time.sleep(float(os.environ.get("TEST_LOAD_SLEEP_MS", "0")) / 1000)  # a slow start
         return self
 
     def eval(self) -> _Echo:

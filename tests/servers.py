@@ -50,9 +50,14 @@ class VegaProcess:
         env.update(self.env)
         env["VEGA_PORT"] = str(self.port)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "vega", "serve"], env=env,
-                                     stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        out = open(self.log_path, "wb") if self.log_path else None
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vega", "serve"], env=env,
+                                         stdout=out or subprocess.DEVNULL,
+                                         stderr=subprocess.STDOUT, cwd=ROOT)
+        finally:
+            if out is not None:
+                out.close()  # the child has its own copy
         if wait_ready:
             self.wait_ready()
         return self

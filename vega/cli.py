@@ -82,7 +82,8 @@ def serve(settings: Settings) -> int:
                             timeout_keep_alive=75, **options)
     server = DrainingServer(config, app.state.runtime)
     server.run()
-    return 0 if server.started else EXIT_STARTUP
+    failed = not server.started or app.state.runtime.failed is not None
+    return EXIT_STARTUP if failed else 0
 
 
 class DrainingServer(uvicorn.Server):
@@ -102,9 +103,14 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self.runtime.on_start.append(self._on_runtime_start)
         await super().startup(sockets)
-        if self.started:
-            notify_systemd("READY=1")
+
+    def _on_runtime_start(self, error: BaseException | None) -> None:
+        if error is None:
+            notify_systemd("READY=1")  # systemd: only once the model is warm
+        else:
+            self.should_exit = True  # nothing to serve; exit status 3
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining or self._loop is None or not self.started:

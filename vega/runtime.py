@@ -23,6 +23,7 @@ from vega.executor import Executor, pick_device
 from vega.metrics import Metrics
 from vega.models import ModelAdapter, load_model
 from vega.records import PRIORITY_NAMES, Batch, Item
+from vega.streams import Streams
 
 log = logging.getLogger("vega.runtime")
 
@@ -63,14 +64,33 @@ class Runtime:
                                  torch_threads=settings.torch_threads)
         self.ready = False
         self.draining = False
+        self.failed: BaseException | None = None
+        # Called once the start has finished: with None when ready, else with the error.
+        self.on_start: list[Callable[[BaseException | None], None]] = []
+        self._starting: asyncio.Task[None] | None = None
         self.active_requests = 0
         self._quiet = asyncio.Event()
         self._quiet.set()
+        self.streams: Streams | None = None  # overflow to peers, with VEGA_REDIS_URL
+        self._local_batches = 0  # batches given to this process's executor, not yet done
 
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load and warm every model, start the batch loops, then turn ready."""
+        """Begin loading and warming in the background; ``ready`` turns true when done.
+
+        The process listens meanwhile, answering 503 ``not_ready``, so a balancer
+        sees it starting rather than a refused connection.
+        """
+        self._starting = asyncio.create_task(self._load_and_warm(), name="warm-up")
+        self._starting.add_done_callback(self._started)
+
+    async def wait_ready(self) -> None:
+        """Until warm (raises what failed the start)."""
+        assert self._starting is not None, "start() first"
+        await asyncio.shield(self._starting)
+
+    async def _load_and_warm(self) -> None:
         s = self.settings
         self.device = pick_device(s.device)
         if s.torch_threads:
@@ -95,9 +115,25 @@ class Runtime:
             served.task = asyncio.create_task(batcher.run(), name=f"batcher-{adapter.name}")
             served.task.add_done_callback(_log_task_end)
             self.models[adapter.name] = served
-        self.ready = True
-        self.metrics.ready.set(1)
-        log.info("ready: model(s) %s on %s", ", ".join(self.models), self.device)
+        if s.redis_url:
+            self.streams = Streams(s, self.node_id, self.metrics,
+                                   {n: (m.adapter, m.batcher) for n, m in self.models.items()},
+                                   self._run_local)
+            self.streams.start()
+
+    def _started(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            log.error("start failed: %r", error)
+            self.failed = error
+        else:
+            self.ready = True
+            self.metrics.ready.set(1)
+            log.info("ready: model(s) %s on %s", ", ".join(self.models), self.device)
+        for callback in self.on_start:
+            callback(error)
 
     def _warm_up(self, served: Served) -> None:
         """Run each (bucket, size) shape; the timed passes seed the batch-time predictor."""
@@ -120,6 +156,8 @@ class Runtime:
     async def drain(self) -> None:
         """Stop admitting (503 draining) and wait for admitted work, bounded by the timeout."""
         self.draining = True
+        if self.streams is not None:
+            self.streams.stealing = False
         self.metrics.ready.set(0)
         try:
             await asyncio.wait_for(self._until_quiet(), self.settings.drain_timeout_s)
@@ -133,16 +171,23 @@ class Runtime:
 
     async def stop(self) -> None:
         self.ready = False
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+            await asyncio.gather(self._starting, return_exceptions=True)
         for served in self.models.values():
             if served.task is not None:
                 served.task.cancel()
                 await asyncio.gather(served.task, return_exceptions=True)
+        if self.streams is not None:
+            await self.streams.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown)
 
     # -- the request path ----------------------------------------------------------
 
     def served(self, name: str | None) -> Served:
         served = self.models.get(name or self.default_model)
+        if served is None and not self.ready and (name or self.default_model) in self.executor.models:
+            raise VegaError("not_ready", "this process is still warming up", retry_after_ms=1000.0)
         if served is None:
             raise VegaError("model_not_found", f"no model named {name!r}")
         return served
@@ -196,7 +241,23 @@ class Runtime:
             self._quiet.set()
 
     async def _sink(self, batch: Batch) -> None:
-        await self.executor.run(batch)
+        """Where a formed batch runs: here, or on a peer when the wait here is long."""
+        if self.streams is not None and await self.streams.offer(batch, self._local_wait_s(batch)):
+            return  # its futures are answered from the reply stream, or taken back
+        await self._run_local(batch)
+
+    async def _run_local(self, batch: Batch) -> None:
+        self._local_batches += 1
+        try:
+            await self.executor.run(batch)
+        finally:
+            self._local_batches -= 1
+
+    def _local_wait_s(self, batch: Batch) -> float:
+        """Predicted wait before ``batch`` would start here: the queue, then the batches ahead."""
+        batcher = self.models[batch.model].batcher
+        run_s = batcher.times.predict(batch.bucket, batch.size)
+        return batcher.backlog_s() + self._local_batches * run_s / batcher.config.parallelism
 
     # -- what status and metrics read ----------------------------------------------
 
@@ -219,7 +280,9 @@ class Runtime:
             }
         return {"node": self.node_id, "ready": self.ready, "draining": self.draining,
                 "device": self.device, "active_requests": self.active_requests,
-                "models": models, "outcomes": self._outcomes()}
+                "models": models, "outcomes": self._outcomes(),
+                "redis_up": self.streams is not None and self.streams.up,
+                "peers": self.streams.peers if self.streams is not None else []}
 
     def _outcomes(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -234,19 +297,20 @@ class Runtime:
 async def _await_items(items: list[Item], deadline: float,
                        disconnected: Callable[[], Awaitable[None]] | None) -> Answer:
     loop = asyncio.get_running_loop()
-    waiting: set[asyncio.Future[Any]] = {item.future for item in items}
+    # One future for all items: done when all are, or at the first failure.
+    answered: asyncio.Future[Any] = (items[0].future if len(items) == 1 else
+                                     asyncio.gather(*(item.future for item in items)))
     watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
-    if watcher is not None:
-        waiting.add(watcher)
+    waiting = {answered} if watcher is None else {answered, watcher}
     try:
-        done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
-                                     return_when=asyncio.FIRST_EXCEPTION)
-        if watcher is not None and watcher.done():
+        await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not answered.done() and watcher is not None and watcher.done():
             raise ClientGone() from (None if watcher.cancelled() else watcher.exception())
         for item in items:  # the first failure in request order is the answer
             if item.future.done() and not item.future.cancelled() and item.future.exception():
                 raise _as_vega_error(item.future.exception())
-        if not all(item.future.done() for item in items):
+        if not answered.done():
             raise VegaError("deadline_exceeded", "deadline passed before the answer was ready")
         return Answer(outputs=[item.future.result() for item in items],
                       queue_s=max(item.dispatched_at - item.enqueued_at for item in items),
@@ -255,7 +319,12 @@ async def _await_items(items: list[Item], deadline: float,
         for item in items:  # whatever is left is nobody's answer any more
             if not item.future.cancel() and not item.future.cancelled():
                 item.future.exception()  # read, so asyncio does not log it as lost
+        if answered is not items[0].future and answered.done() and not answered.cancelled():
+            answered.exception()
+        answered.cancel()
         if watcher is not None:
+            if watcher.done() and not watcher.cancelled():
+                watcher.exception()
             watcher.cancel()
 
 

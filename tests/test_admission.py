@@ -1,0 +1,125 @@
+"""Admission against a real batcher whose measurements and queue are set up by hand."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from vega.admission import Admission, AdmissionConfig, TokenBucket
+from vega.batcher import Batcher, BatcherConfig
+from vega.errors import VegaError
+from vega.records import CRITICAL, NORMAL, SHEDDABLE, Batch, Item
+
+
+async def _never(batch: Batch) -> None:
+    raise AssertionError("the batch loop is not running in these tests")
+
+
+def make(capacity: int = 10, rate_limit: float = 0.0, burst: float = 0.0,
+         per_item_ms: float = 1.0) -> tuple[Admission, Batcher]:
+    batcher = Batcher(BatcherConfig(model="m", buckets=(16, 512), max_batch_size=4,
+                                    max_wait_s=0.005, max_inflight=1), _never)
+    # As warm-up would: the short bucket costs per_item_ms an item, the long one 8x that.
+    for size in (1, 4):
+        batcher.times.observe(0, size, size * per_item_ms / 1000)
+        batcher.times.observe(1, size, size * 8 * per_item_ms / 1000)
+        batcher.rate.observe(size, size, size * per_item_ms / 1000)
+    config = AdmissionConfig(queue_capacity=capacity, shed_watermark=0.5,
+                             normal_watermark=0.8, rate_limit=rate_limit, burst=burst,
+                             margin_s=0.0)
+    return Admission(config, batcher, now=0.0), batcher
+
+
+def fill(batcher: Batcher, count: int, priority: int = NORMAL, bucket: int = 0) -> None:
+    loop = asyncio.get_running_loop()
+    for _ in range(count):
+        batcher.enqueue(Item(model="m", sample=None, length=1, priority=priority,
+                             deadline=loop.time() + 60, future=loop.create_future(),
+                             bucket=bucket, cost=batcher.item_cost(bucket)))
+
+
+async def test_costs_are_charged_in_compute_not_requests() -> None:
+    admission, batcher = make()
+    assert batcher.item_cost(0) == pytest.approx(1.0)
+    assert batcher.item_cost(1) == pytest.approx(8.0)
+    assert admission.admit(NORMAL, [0, 1], deadline=10.0, now=0.0) == pytest.approx([1.0, 8.0])
+
+
+async def test_watermarks_refuse_sheddable_first_then_normal_then_critical() -> None:
+    admission, batcher = make(capacity=10)
+    fill(batcher, 5)
+    with pytest.raises(VegaError) as shed:
+        admission.admit(SHEDDABLE, [0], deadline=100.0, now=0.0)
+    assert shed.value.code == "shed" and shed.value.status == 429
+    admission.admit(NORMAL, [0], deadline=100.0, now=0.0)
+    fill(batcher, 3)  # 8 queued: normal's limit
+    with pytest.raises(VegaError) as full:
+        admission.admit(NORMAL, [0], deadline=100.0, now=0.0)
+    assert full.value.code == "queue_full"
+    admission.admit(CRITICAL, [0, 0], deadline=100.0, now=0.0)  # headroom kept for critical
+    fill(batcher, 2, CRITICAL)
+    with pytest.raises(VegaError) as bound:
+        admission.admit(CRITICAL, [0], deadline=100.0, now=0.0)
+    assert bound.value.code == "queue_full"
+
+
+async def test_deadline_refused_when_the_backlog_ahead_cannot_finish_in_time() -> None:
+    admission, batcher = make(capacity=1000)
+    fill(batcher, 100)  # 100 short items at 1 ms each: ~100 ms of work
+    with pytest.raises(VegaError) as caught:
+        admission.admit(NORMAL, [0], deadline=0.05, now=0.0)
+    assert caught.value.code == "deadline_unmeetable"
+    # About the backlog ahead (100 ms), not a constant.
+    assert 80 <= caught.value.retry_after_ms <= 120
+    admission.admit(NORMAL, [0], deadline=0.2, now=0.0)
+    # Critical is served ahead of the queued normal items, so its short deadline is feasible.
+    admission.admit(CRITICAL, [0], deadline=0.05, now=0.0)
+
+
+async def test_deadline_uses_the_items_own_bucket_batch_time() -> None:
+    admission, _ = make()
+    admission.admit(NORMAL, [0], deadline=0.007, now=0.0)  # wait window 5 ms + 1 ms batch
+    with pytest.raises(VegaError) as caught:
+        admission.admit(NORMAL, [1], deadline=0.007, now=0.0)  # 5 ms + 8 ms batch
+    assert caught.value.code == "deadline_unmeetable"
+
+
+async def test_retry_after_for_a_full_queue_follows_backlog_and_service_rate() -> None:
+    admission, batcher = make(capacity=10, per_item_ms=100.0)  # 10 items/s measured
+    fill(batcher, 10, CRITICAL)
+    with pytest.raises(VegaError) as caught:
+        admission.admit(CRITICAL, [0], deadline=100.0, now=0.0)
+    assert caught.value.retry_after_ms == pytest.approx(100.0)  # one item over, at 10/s
+    assert caught.value.headers() == {"Retry-After": "1"}
+    with pytest.raises(VegaError) as normal:
+        admission.admit(NORMAL, [0], deadline=100.0, now=0.0)
+    assert normal.value.retry_after_ms == pytest.approx(300.0)  # 3 over normal's limit of 8
+
+
+async def test_token_bucket_limits_cost_per_second() -> None:
+    admission, _ = make(capacity=1000, rate_limit=10.0, burst=10.0)
+    admission.admit(NORMAL, [1], deadline=100.0, now=0.0)  # costs 8 of 10 tokens
+    with pytest.raises(VegaError) as caught:
+        admission.admit(NORMAL, [1], deadline=100.0, now=0.0)
+    assert caught.value.code == "rate_limited"
+    # 2 tokens left; 8 more plus the critical reserve of 2 are needed: 8 tokens at 10/s.
+    assert caught.value.retry_after_ms == pytest.approx(800.0)
+    admission.admit(NORMAL, [1], deadline=100.0, now=1.0)  # refilled after a second
+
+
+async def test_refused_requests_take_no_tokens() -> None:
+    admission, batcher = make(capacity=1, rate_limit=10.0, burst=10.0)
+    fill(batcher, 1, CRITICAL)
+    with pytest.raises(VegaError):
+        admission.admit(NORMAL, [0], deadline=100.0, now=0.0)
+    assert admission.bucket is not None and admission.bucket.tokens == pytest.approx(10.0)
+
+
+def test_token_bucket_keeps_a_reserve_for_critical() -> None:
+    bucket = TokenBucket(rate=1.0, size=10.0, reserve=2.0, now=0.0)
+    assert bucket.take(8.0, critical=False, now=0.0) == 0.0
+    assert bucket.take(1.0, critical=False, now=0.0) == pytest.approx(1.0)
+    assert bucket.take(2.0, critical=True, now=0.0) == 0.0
+    bucket.refund(3.0)
+    assert bucket.tokens == pytest.approx(3.0)

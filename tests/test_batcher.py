@@ -1,0 +1,206 @@
+"""The batcher as a function fed by enqueue, with a recording sink held open by a gate."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from vega.batcher import Batcher, BatcherConfig
+from vega.errors import VegaError
+from vega.records import CRITICAL, NORMAL, SHEDDABLE, Batch, Item
+
+
+class RecordingSink:
+    """Records each batch; holds it until ``gate`` is set; answers each item with its id."""
+
+    def __init__(self, fail_on: Callable[[Batch], bool] | None = None) -> None:
+        self.batches: list[Batch] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.running = 0
+        self.max_running = 0
+        self.fail_on = fail_on
+
+    async def __call__(self, batch: Batch) -> None:
+        self.batches.append(batch)
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            await self.gate.wait()
+            if self.fail_on is not None and self.fail_on(batch):
+                raise RuntimeError("sink failed")
+            batch.infer_s = 0.001
+            for item in batch.items:
+                if not item.future.done():
+                    item.future.set_result(item.id)
+        finally:
+            self.running -= 1
+
+
+def config(**changes: object) -> BatcherConfig:
+    base = dict(model="m", buckets=(16, 64, 512), max_batch_size=4, max_wait_s=0.02,
+                max_inflight=2)
+    base.update(changes)
+    return BatcherConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Callable[..., tuple[Batcher, RecordingSink]]]:
+    tasks: list[asyncio.Task[None]] = []
+
+    def start(sink: RecordingSink | None = None, **changes: object) -> tuple[Batcher, RecordingSink]:
+        sink = sink or RecordingSink()
+        batcher = Batcher(config(**changes), sink)
+        tasks.append(asyncio.create_task(batcher.run()))
+        return batcher, sink
+
+    yield start
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def item(batcher: Batcher, length: int = 10, priority: int = NORMAL,
+         deadline_s: float = 10.0) -> Item:
+    loop = asyncio.get_running_loop()
+    new = Item(model="m", sample=None, length=length, priority=priority,
+               deadline=loop.time() + deadline_s, future=loop.create_future(),
+               bucket=batcher.bucket_of(length))
+    batcher.enqueue(new)
+    return new
+
+
+async def test_size_trigger_dispatches_full_batch_before_the_wait(running) -> None:
+    batcher, sink = running(max_wait_s=60.0)
+    items = [item(batcher) for _ in range(4)]
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 5)
+    assert [b.size for b in sink.batches] == [4]
+
+
+async def test_wait_trigger_dispatches_partial_batch(running) -> None:
+    batcher, sink = running(max_wait_s=0.01)
+    items = [item(batcher) for _ in range(3)]
+    results = await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 5)
+    assert results == [i.id for i in items]
+    assert [b.size for b in sink.batches] == [3]
+
+
+async def test_buckets_are_batched_apart_and_pad_to_their_longest(running) -> None:
+    batcher, sink = running()
+    short = [item(batcher, length=n) for n in (3, 10)]
+    long = [item(batcher, length=n) for n in (100, 300)]
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in short + long)), 5)
+    by_bucket = {b.bucket: b for b in sink.batches}
+    assert sorted(by_bucket) == [0, 2]
+    assert by_bucket[0].pad_to == 10 and by_bucket[2].pad_to == 300
+    assert by_bucket[0].padding_ratio == pytest.approx(1 - 13 / 20)
+
+
+async def test_critical_items_are_taken_first(running) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, max_inflight=1, max_batch_size=2)
+    blocker = [item(batcher), item(batcher)]  # occupies the only pipeline slot
+    await asyncio.sleep(0.05)
+    low = [item(batcher, priority=SHEDDABLE) for _ in range(2)]
+    high = [item(batcher, priority=CRITICAL) for _ in range(2)]
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in blocker + low + high)), 5)
+    assert [i.id for i in sink.batches[1].items] == [i.id for i in high]
+    assert [i.id for i in sink.batches[2].items] == [i.id for i in low]
+
+
+async def test_expired_items_are_answered_504_and_never_run(running) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, max_inflight=1, max_batch_size=1)
+    first = item(batcher)
+    await asyncio.sleep(0.02)
+    doomed = item(batcher, deadline_s=0.03)
+    await asyncio.sleep(0.06)
+    sink.gate.set()
+    await asyncio.wait_for(first.future, 5)
+    with pytest.raises(VegaError) as caught:
+        await asyncio.wait_for(doomed.future, 5)
+    assert caught.value.code == "deadline_exceeded" and caught.value.status == 504
+    ran = [i.id for b in sink.batches for i in b.items]
+    assert doomed.id not in ran
+
+
+async def test_cancelled_item_is_dropped_before_dispatch(running) -> None:
+    batcher, sink = running(max_wait_s=0.02)
+    gone, kept = item(batcher), item(batcher)
+    gone.future.cancel()  # the caller disconnected
+    await asyncio.wait_for(kept.future, 5)
+    ran = [i.id for b in sink.batches for i in b.items]
+    assert ran == [kept.id]
+    assert batcher.depth() == 0
+
+
+async def test_failed_batch_fails_only_its_items_and_the_loop_goes_on(running) -> None:
+    sink = RecordingSink(fail_on=lambda b: any(i.length == 13 for i in b.items))
+    batcher, _ = running(sink, max_wait_s=0.005)
+    bad = item(batcher, length=13)
+    with pytest.raises(VegaError) as caught:
+        await asyncio.wait_for(bad.future, 5)
+    assert caught.value.code == "model_error"
+    good = item(batcher, length=13 + 1)
+    assert await asyncio.wait_for(good.future, 5) == good.id
+
+
+async def test_pipelining_is_bounded_by_max_inflight(running) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, max_inflight=2, max_batch_size=1, max_wait_s=0.0)
+    items = [item(batcher) for _ in range(6)]
+    await asyncio.sleep(0.05)
+    assert sink.running == 2 and batcher.inflight == 2
+    assert batcher.depth() == 4  # the rest waits in the queue, not in the executor
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 5)
+    assert sink.max_running == 2
+
+
+async def test_measures_batch_times_and_service_rate(running) -> None:
+    batcher, sink = running()
+    items = [item(batcher) for _ in range(8)]
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 5)
+    await asyncio.sleep(0)  # the done-callback that records the batch
+    assert batcher.times.predict(0, 4) > 0
+    assert batcher.rate.items_per_s == pytest.approx(4 / 0.001)
+
+
+async def test_standing_queue_serves_newest_first_and_sheds_old_non_critical(running) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, max_inflight=1, max_batch_size=1, max_wait_s=0.0,
+                         standing_after_s=0.05)
+    first = item(batcher)
+    await asyncio.sleep(0.01)
+    old = item(batcher)
+    old_critical = item(batcher, priority=CRITICAL)
+    await asyncio.sleep(0.08)  # the queue has not emptied for longer than the interval
+    new = item(batcher)
+    assert batcher.standing(asyncio.get_running_loop().time())
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(first.future, new.future, old_critical.future), 5)
+    with pytest.raises(VegaError) as caught:
+        await old.future
+    assert caught.value.code == "shed" and caught.value.retry_after_ms is not None
+    order = [i.id for b in sink.batches for i in b.items]
+    assert order == [first.id, old_critical.id, new.id]
+
+
+async def test_wait_idle_returns_only_when_everything_is_answered(running) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink)
+    items = [item(batcher) for _ in range(5)]
+    idle = asyncio.create_task(batcher.wait_idle())
+    await asyncio.sleep(0.05)
+    assert not idle.done()
+    sink.gate.set()
+    await asyncio.wait_for(idle, 5)
+    assert all(i.future.done() for i in items)

@@ -1,0 +1,150 @@
+"""Overload, rate limits, start-up, drain and disconnects against real `vega serve` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+import orjson
+
+from tests.models import window
+from tests.servers import VegaProcess, wait_until
+
+BODY = orjson.dumps({"inputs": window(16)})
+
+
+async def fire(url: str, bodies: list[bytes], headers: list[dict[str, str]] | None = None,
+               limits: int = 300) -> list[httpx.Response | Exception]:
+    """Send all bodies at once, one connection each; return each answer (or the error)."""
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=limits)) as client:
+        async def one(i: int) -> httpx.Response | Exception:
+            try:
+                return await client.post(url + "/v1/infer", content=bodies[i],
+                                         headers=(headers or [{}] * len(bodies))[i])
+            except httpx.HTTPError as error:
+                return error
+        return list(await asyncio.gather(*(one(i) for i in range(len(bodies)))))
+
+
+def codes(responses: list[httpx.Response | Exception]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for r in responses:
+        if isinstance(r, Exception):
+            out[type(r).__name__] += 1
+        elif r.status_code == 200:
+            out["ok"] += 1
+        else:
+            out[r.json()["error"]["code"]] += 1
+    return out
+
+
+async def test_overload_refuses_with_retry_after_and_answers_every_admitted(
+        vega: Callable[..., VegaProcess]) -> None:
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="20",
+                  VEGA_QUEUE_CAPACITY="8", VEGA_MAX_BATCH_SIZE="4")
+    responses = await fire(server.url, [BODY] * 200)
+    seen = codes(responses)
+    assert sum(seen.values()) == 200
+    assert set(seen) <= {"ok", "queue_full", "deadline_unmeetable"}, seen
+    assert seen["ok"] >= 8 and seen["queue_full"] > 0, seen
+    for r in responses:
+        assert isinstance(r, httpx.Response)
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["retry_after_ms"] > 0
+        else:
+            assert r.status_code == 200 and len(r.json()["outputs"]) == 3
+
+
+async def test_sheddable_goes_first_and_critical_keeps_headroom(
+        vega: Callable[..., VegaProcess]) -> None:
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="30",
+                  VEGA_QUEUE_CAPACITY="40", VEGA_SHED_WATERMARK="0.25",
+                  VEGA_NORMAL_WATERMARK="0.5", VEGA_MAX_BATCH_SIZE="4", VEGA_MAX_WAIT_MS="1")
+
+    def bodies(priority: str, count: int) -> list[bytes]:
+        return [orjson.dumps({"inputs": window(16), "priority": priority, "deadline_ms": 20000})
+                ] * count
+    flood = asyncio.create_task(fire(server.url, bodies("sheddable", 120) + bodies("normal", 60)))
+    await asyncio.sleep(0.3)  # the queue is at normal's watermark by now
+    critical = await fire(server.url, bodies("critical", 10))
+    seen = codes(await flood)
+    sheddable, normal = codes((await flood)[:120]), codes((await flood)[120:])
+    assert codes(critical) == Counter(ok=10), codes(critical)
+    assert sheddable["shed"] > 0 and set(sheddable) <= {"ok", "shed"}, seen
+    assert set(normal) <= {"ok", "queue_full", "shed"}, seen
+    assert sheddable["ok"] / 120 < normal["ok"] / 60, seen
+
+
+def test_token_bucket_rate_limits_with_retry_after(vega: Callable[..., VegaProcess]) -> None:
+    server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_RATE_LIMIT="2", VEGA_BURST="4")
+    answers = [httpx.post(server.url + "/v1/infer", content=BODY, timeout=10) for _ in range(8)]
+    limited = [r for r in answers if r.status_code == 429]
+    assert limited and all(r.json()["error"]["code"] == "rate_limited" for r in limited)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in limited)
+    assert sum(r.status_code == 200 for r in answers) >= 2
+
+
+def test_not_ready_while_warming_up(vega: Callable[..., VegaProcess]) -> None:
+    server = vega(wait_ready=False, VEGA_MODEL="python:tests.models:echo",
+                  TEST_LOAD_SLEEP_MS="4000")
+
+    def listening() -> bool:
+        try:
+            return httpx.get(server.url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_until(listening, 60, "vega to listen")
+    ready = httpx.get(server.url + "/readyz")
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+    refused = httpx.post(server.url + "/v1/infer", content=BODY)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+    assert int(refused.headers["retry-after"]) >= 1
+    server.wait_ready()
+    assert httpx.post(server.url + "/v1/infer", content=BODY).status_code == 200
+
+
+async def test_drain_on_sigterm_answers_everything_admitted(
+        vega: Callable[..., VegaProcess]) -> None:
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="150",
+                  VEGA_MAX_BATCH_SIZE="4", VEGA_QUEUE_CAPACITY="1000",
+                  VEGA_DEFAULT_DEADLINE_MS="20000",
+                  # This queue stands for 1.5 s on purpose; keep it from being shed as stale.
+                  VEGA_CODEL_INTERVAL_MS="60000")
+    load = asyncio.create_task(fire(server.url, [BODY] * 40))
+    await asyncio.sleep(0.5)  # the load is admitted and queued
+    server.signal(signal.SIGTERM)
+    await asyncio.sleep(0.1)
+    during = httpx.post(server.url + "/v1/infer", content=BODY)
+    assert during.status_code == 503 and during.json()["error"]["code"] == "draining"
+    assert int(during.headers["retry-after"]) >= 1
+    assert httpx.get(server.url + "/readyz").status_code == 503
+    seen = codes(await load)
+    assert seen == Counter(ok=40), seen
+    assert server.proc is not None
+    assert await asyncio.to_thread(server.proc.wait, 30) == 0
+
+
+def test_disconnected_caller_is_dropped_before_dispatch(vega: Callable[..., VegaProcess]) -> None:
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="400",
+                  VEGA_MAX_BATCH_SIZE="1", VEGA_MAX_INFLIGHT_BATCHES="1")
+    request = (f"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n"
+               .encode() + BODY)
+    with socket.create_connection(("127.0.0.1", server.port)) as busy:
+        busy.sendall(request)  # occupies the only executor slot for 400 ms
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", server.port)) as gone:
+            gone.sendall(request)
+            time.sleep(0.1)
+        assert busy.recv(100).startswith(b"HTTP/1.1 200")
+
+    def counted() -> str:
+        metrics = httpx.get(server.url + "/metrics").text
+        return metrics if 'outcome="disconnected"' in metrics else ""
+    metrics = wait_until(counted, 10, "the disconnect to be counted")
+    assert 'vega_batch_size_count{model="echo"} 1.0' in metrics  # only the first one ran
