@@ -49,7 +49,7 @@ def _torchscript(path: str, name: str) -> ModelAdapter:
     import torch
 
     try:
-        module = torch.jit.load(path, map_location="cpu")
+        module = torch.jit.load(path, map_location="cpu")  # type: ignore[no-untyped-call]
     except Exception as exc:  # torch raises many types for a bad file
         raise ModelLoadError(f"torchscript:{path}: cannot load: {exc}") from None
     return _wrap_module(module, name)

@@ -1,0 +1,91 @@
+"""Settings: precedence, validation messages, masking, and the CLI's exit statuses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vega.cli import main
+from vega.config import SPECS, ConfigError, env_file_text, load_settings, read_env_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_match_the_design() -> None:
+    s = load_settings(environ={})
+    assert (s.port, s.model, s.redis_url, s.rate_limit) == (8000, "sensor", "", 0.0)
+    assert s.length_buckets == (16, 32, 64, 128, 256, 512)
+
+
+def test_precedence_defaults_env_file_environment_flags(tmp_path: Path) -> None:
+    env_file = tmp_path / "vega.env"
+    env_file.write_text("# comment\n; also a comment\nVEGA_PORT=8100\nVEGA_MAX_BATCH_SIZE='16'\n"
+                        "VEGA_MAX_WAIT_MS=7\n")
+    s = load_settings(env_file, environ={"VEGA_MAX_BATCH_SIZE": "24", "HOME": "/x"},
+                      overrides={"VEGA_MAX_WAIT_MS": "9"})
+    assert (s.port, s.max_batch_size, s.max_wait_ms) == (8100, 24, 9.0)
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"VEGA_PORT": "eighty"}, "VEGA_PORT='eighty'"),
+    ({"VEGA_MAX_BATCH_SIZE": "0"}, "VEGA_MAX_BATCH_SIZE='0'"),
+    ({"VEGA_LENGTH_BUCKETS": "64,16"}, "VEGA_LENGTH_BUCKETS"),
+    ({"VEGA_DEVICE": "tpu"}, "VEGA_DEVICE='tpu'"),
+    ({"VEGA_SHED_WATERMARK": "0.95"}, "VEGA_SHED_WATERMARK"),
+    ({"VEGA_MAX_WAIT_MS": "nan"}, "VEGA_MAX_WAIT_MS"),
+    ({"VEGA_PORTT": "1"}, "VEGA_PORTT: unknown setting"),
+])
+def test_bad_values_name_the_setting_and_what_is_allowed(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ=env)
+    assert named in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_redis_password_is_masked_everywhere() -> None:
+    s = load_settings(environ={"VEGA_REDIS_URL": "rediss://vega:s3cret@redis.example:6380/0"})
+    assert s.redis_url.endswith("s3cret@redis.example:6380/0")  # still usable
+    assert "s3cret" not in repr(s) and "s3cret" not in str(s.public())
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ={"VEGA_REDIS_URL": "http://user:s3cret@x"})
+    assert "s3cret" not in str(caught.value)
+
+
+def test_env_file_syntax_errors_are_reported(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.env"
+    bad.write_text("VEGA_PORT 8000\n")
+    with pytest.raises(ConfigError, match="bad.env:1"):
+        read_env_file(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.env", environ={})
+
+
+def test_shipped_env_file_documents_every_setting() -> None:
+    shipped = (ROOT / "conf" / "vega.env").read_text()
+    assert shipped.strip() == env_file_text().strip()
+    for spec in SPECS:
+        assert f"#{spec.env}={spec.default}" in shipped
+
+
+def test_cli_config_prints_settings_and_bad_value_exits_2(capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VEGA_REDIS_URL", "redis://:hunter2@localhost:1234")
+    assert main(["config", "--max-batch-size", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "VEGA_MAX_BATCH_SIZE=12" in out and "hunter2" not in out
+    assert main(["config", "--max-batch-size", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "VEGA_MAX_BATCH_SIZE='-1'" in err
+
+
+def test_serve_with_a_bad_setting_exits_2_and_unloadable_model_exits_3() -> None:
+    bad = subprocess.run([sys.executable, "-m", "vega", "serve", "--port", "x"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "VEGA_PORT='x'" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "vega", "serve", "--model",
+                              "torchscript:/nonexistent.pt", "--port", "0"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert missing.returncode == 3 and "cannot load" in missing.stderr

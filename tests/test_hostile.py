@@ -1,0 +1,104 @@
+"""Hostile input, generated: always an answer from DESIGN.md's table, never a 5xx or a crash."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+
+import httpx
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.models import window
+from tests.servers import VegaProcess
+
+ALLOWED = {200, 400, 413, 422, 429}
+HEADER_TEXT = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=80)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=8) | st.dictionaries(st.text(max_size=8),
+                                                                      children, max_size=4),
+    max_leaves=60)
+rows = st.lists(st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(),
+                          st.booleans(), st.none(), st.text(max_size=3)), min_size=0, max_size=10)
+windows = st.lists(rows, min_size=0, max_size=40)
+
+
+@pytest.fixture(scope="module")
+def server(vega_module: Callable[..., VegaProcess]) -> VegaProcess:
+    return vega_module(VEGA_MODEL="python:tests.models:echo", VEGA_MAX_BODY_BYTES="100000")
+
+
+@pytest.fixture(scope="module")
+def client(server: VegaProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        yield c
+
+
+def check(client: httpx.Client, content: bytes, headers: dict[str, str] | None = None) -> None:
+    response = client.post("/v1/infer", content=content, headers=headers)
+    assert response.status_code in ALLOWED, (response.status_code, response.text[:300])
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert error["code"] and error["message"]
+
+
+SLOW = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@SLOW
+@given(body=json_values)
+def test_any_json_value_is_refused_cleanly(client: httpx.Client, body: object) -> None:
+    check(client, json.dumps(body).encode())  # json: integers of any size
+
+
+@SLOW
+@given(inputs=windows, priority=st.one_of(st.none(), json_values),
+       deadline=st.one_of(st.none(), json_values, st.floats()))
+def test_malformed_windows_priorities_and_deadlines(client: httpx.Client, inputs: object,
+                                                   priority: object, deadline: object) -> None:
+    doc: dict[str, object] = {"inputs": inputs}
+    if priority is not None:
+        doc["priority"] = priority
+    if deadline is not None:
+        doc["deadline_ms"] = deadline
+    check(client, json.dumps(doc, allow_nan=True).encode())  # NaN/Infinity as raw tokens
+
+
+@SLOW
+@given(raw=st.binary(max_size=2000))
+def test_arbitrary_bytes(client: httpx.Client, raw: bytes) -> None:
+    check(client, raw)
+
+
+@SLOW
+@given(priority=HEADER_TEXT, deadline=HEADER_TEXT, request_id=HEADER_TEXT)
+def test_arbitrary_headers(client: httpx.Client, priority: str, deadline: str,
+                           request_id: str) -> None:
+    check(client, orjson.dumps({"inputs": window(4)}), {
+        "X-Vega-Priority": priority, "X-Vega-Deadline-Ms": deadline, "X-Request-Id": request_id})
+
+
+@pytest.mark.parametrize("content", [
+    b"[" * 200_000,  # nesting far past any parser's limit, under the size limit
+    b'{"inputs": [' + b"[1e308,-1e308,0,0,0,0,0,0]," * 100 + b"[0,0,0,0,0,0,0,0]]}",
+    b'{"inputs": [[' + b"9" * 5000 + b',0,0,0,0,0,0,0]]}',
+    b'{"inputs": ' + b"[0.5, " * 3 + b"]",
+    b'{"inputs": [[NaN,0,0,0,0,0,0,0]]}',
+    b'{"inputs": [[1,2,3,4,5,6,7,8]], "deadline_ms": 1e400}',
+    b'{"instances": [' + b'[[0,0,0,0,0,0,0,0]],' * 300 + b'[[0,0,0,0,0,0,0,0]]]}',
+    "{\"inputs\": \"\udcff\"}".encode("utf-8", "surrogatepass"),
+])
+def test_known_nasty_bodies(client: httpx.Client, content: bytes) -> None:
+    check(client, content)
+
+
+def test_still_serving_after_all_that(client: httpx.Client, server: VegaProcess) -> None:
+    assert client.post("/v1/infer", content=orjson.dumps({"inputs": window(8)})).status_code == 200
+    assert '"outcome="model_error"' not in client.get("/metrics").text
+    assert server.proc is not None and server.proc.poll() is None

@@ -1,0 +1,83 @@
+"""Model adapters: validation on decode, batching independence, the loaders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vega.errors import VegaError
+from vega.models import SequenceModel, load_model
+from vega.models.loader import ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def sensor() -> SequenceModel:
+    model = load_model("sensor")
+    model.load("cpu")
+    assert isinstance(model, SequenceModel)
+    return model
+
+
+def test_decode_accepts_windows_and_reports_length(sensor: SequenceModel) -> None:
+    sample, length = sensor.decode([[1, 2, 3, 4, 5, 6, 7, 8]] * 3)
+    assert length == 3 and sample.dtype == np.float32 and sample.shape == (3, 8)
+
+
+@pytest.mark.parametrize("instance", [
+    [], "abc", [[1.0] * 7], [[1.0] * 8, [1.0]], [[None] * 8], [[{"a": 1}] * 8],
+    [[10 ** 400] * 8], [[1e39] * 8], [[[1.0] * 8]], [[1.0] * 8] * 513,
+])
+def test_decode_refuses_bad_instances_with_invalid_input(sensor: SequenceModel,
+                                                         instance: object) -> None:
+    with pytest.raises(VegaError) as caught:
+        sensor.decode(instance)
+    assert caught.value.code == "invalid_input"
+
+
+def test_outputs_do_not_depend_on_batch_mates(sensor: SequenceModel) -> None:
+    rng = np.random.default_rng(0)
+    samples = [sensor.decode(rng.standard_normal((n, 8)).tolist())[0] for n in (1, 9, 64, 200)]
+    batched = sensor.run(samples, 200)
+    for sample, row in zip(samples, batched):
+        np.testing.assert_allclose(sensor.run([sample], sample.shape[0])[0], row, atol=1e-5)
+
+
+def test_weights_are_fixed_by_seed() -> None:
+    a, b = load_model("sensor"), load_model("sensor")
+    sample = a.example(32)
+    np.testing.assert_array_equal(a.run([sample], 32)[0], b.run([sample], 32)[0])
+
+
+# TorchScript is deprecated in torch 2.13 but still what many teams have saved.
+@pytest.mark.filterwarnings("ignore:`torch.jit.*deprecated:DeprecationWarning")
+def test_torchscript_model_loads_with_its_attributes(tmp_path: Path) -> None:
+    class Mean(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.vega_channels = 3
+            self.vega_max_length = 10
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.sum(dim=1) / lengths[:, None].to(x.dtype)
+
+    path = tmp_path / "mean.pt"
+    torch.jit.script(Mean()).save(str(path))
+    model = load_model(f"torchscript:{path}")
+    model.load("cpu")
+    assert (model.name, model.max_length) == ("mean", 10)
+    sample, _ = model.decode([[1, 2, 3], [3, 4, 5]])
+    np.testing.assert_allclose(model.run([sample], 4)[0], [2, 3, 4])
+    with pytest.raises(VegaError):
+        model.decode([[1, 2, 3, 4]])
+
+
+def test_python_factory_and_bad_specs() -> None:
+    model = load_model("python:tests.models:echo", "custom")
+    assert model.name == "custom"
+    for spec in ("nope", "python:tests.models", "python:no_such_module:x",
+                 "torchscript:/no/such.pt"):
+        with pytest.raises(ModelLoadError):
+            load_model(spec)
