@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -30,7 +31,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("vega")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Tools that share the `vega` command but not the server's settings; each module has
+# configure(parser) and run(args), and is imported only when its command is used.
+TOOLS = {
+    "bench": ("vega.loadgen", "drive a server with open- or closed-loop load; report and plot"),
+    "profile": ("vega.profile", "measure the model's batch latency per bucket and size"),
+    "simulate": ("vega.simulate", "replay a traffic profile through the real policy code"),
+    "cluster": ("vega.cluster", "run N processes, Redis and Nginx on this machine"),
+}
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vega", description="Vega inference server")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in (("serve", "run the server"), ("config", "print the effective settings")):
@@ -39,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         for spec in SPECS:
             sub.add_argument(spec.flag, dest=spec.env, metavar="VALUE",
                              help=f"{spec.doc} [{spec.env}, default {spec.default!r}]")
+    for name, (module, text) in TOOLS.items():
+        sub = commands.add_parser(name, help=text)
+        if name in argv[:1]:  # only the tool asked for is imported
+            importlib.import_module(module).configure(sub)
     return parser
 
 
@@ -49,7 +64,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    if args.command in TOOLS:
+        return int(importlib.import_module(TOOLS[args.command][0]).run(args))
     try:
         settings = settings_from(args)
     except ConfigError as error:

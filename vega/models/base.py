@@ -22,6 +22,10 @@ class TensorSpec:
     name: str
     datatype: str  # Open Inference Protocol name: FP32, INT64, BYTES, ...
     shape: tuple[int, ...]  # -1 where the size varies
+    accepts: tuple[str, ...] = ()  # further datatypes decode() converts from
+
+    def takes(self, datatype: str) -> bool:
+        return datatype == self.datatype or datatype in self.accepts
 
 
 @runtime_checkable
@@ -37,7 +41,11 @@ class ModelAdapter(Protocol):
         """Move weights to ``device``; called once, in the executor thread."""
 
     def decode(self, instance: Any) -> tuple[Any, int]:
-        """Validate one instance; return (sample, length). Raise VegaError(invalid_input)."""
+        """Validate one instance; return (sample, length). Raise VegaError(invalid_input).
+
+        An instance is what a /v1 JSON body holds, or, from the v2 routes, a
+        numpy array (one input) or a dict of numpy arrays by input name (several).
+        """
 
     def run(self, samples: list[Any], pad_to: int) -> list[Any]:
         """Forward a batch padded to ``pad_to``; one output per sample, in order."""
@@ -62,8 +70,10 @@ class SequenceModel:
         self.version = version
         self.channels = channels
         self.max_length = max_length
-        self.inputs = (TensorSpec("INPUT__0", "FP32", (-1, channels)),)
-        self.outputs = (TensorSpec("OUTPUT__0", "FP32", (output_size,)),)
+        self.inputs: tuple[TensorSpec, ...] = (
+            TensorSpec("INPUT__0", "FP32", (-1, channels), accepts=("FP16", "FP64")),)
+        self.outputs: tuple[TensorSpec, ...] = (
+            TensorSpec("OUTPUT__0", "FP32", (output_size,)),)
         self._device = "cpu"
 
     def load(self, device: str) -> None:
@@ -73,6 +83,8 @@ class SequenceModel:
         self.module = self.module.to(torch.device(device)).eval()
 
     def decode(self, instance: Any) -> tuple[Any, int]:
+        if isinstance(instance, np.ndarray):
+            return self.check_array(instance)
         if not isinstance(instance, list) or not instance:
             raise invalid_input(f"expected a list of 1..{self.max_length} timesteps, "
                                 f"each a list of {self.channels} numbers")

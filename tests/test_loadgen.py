@@ -1,0 +1,223 @@
+"""Load generator: traffic profiles, the HDR histogram, reports, and a real run against vega."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.servers import VegaProcess
+from vega import loadgen, traffic
+from vega.hdr import Histogram
+from vega.report import (
+    Record,
+    Tally,
+    build_report,
+    distribution,
+    distribution_delta,
+    prometheus_histogram,
+    write_plots,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def counts_between(t: np.ndarray, edges: list[float]) -> list[int]:
+    return [int(((t >= a) & (t < b)).sum()) for a, b in itertools.pairwise(edges)]
+
+
+# --- traffic -----------------------------------------------------------------------
+
+def test_burst_constant_gives_exact_counts_per_phase() -> None:
+    phases = traffic.burst(rate=100, factor=5, at_s=2, burst_s=1, duration_s=5)
+    t = traffic.arrival_times(phases, "constant")
+    assert counts_between(t, [0, 2, 3, 5]) == [200, 500, 200]
+    assert np.all(np.diff(t) > 0)
+
+
+def test_burst_poisson_counts_are_within_five_sigma() -> None:
+    phases = traffic.burst(rate=1000, factor=10, at_s=1, burst_s=1, duration_s=3)
+    t = traffic.arrival_times(phases, "poisson", np.random.default_rng(7))
+    for got, expected in zip(counts_between(t, [0, 1, 2, 3]), [1000, 10000, 1000]):
+        assert abs(got - expected) <= 5 * math.sqrt(expected)
+
+
+def test_step_and_ramp_counts() -> None:
+    steps = traffic.step(traffic.parse_steps("100:1,400:2,50:2"))
+    t = traffic.arrival_times(steps, "constant")
+    assert counts_between(t, [0, 1, 3, 5]) == [100, 800, 100]
+    ramp = traffic.arrival_times(traffic.ramp(0, 1000, 2), "constant")
+    assert len(ramp) == 1000
+    assert counts_between(ramp, [0, 1, 2]) == [250, 750]  # Λ(1) = 250
+
+
+def test_limit_keeps_the_earliest_arrivals() -> None:
+    t = traffic.arrival_times(traffic.steady(1000, 10), "constant", limit=50)
+    assert len(t) == 50 and t[-1] < 0.05
+
+
+def test_mix_and_lengths() -> None:
+    mix = traffic.parse_mix("sheddable=70,normal=25,critical=5")
+    assert mix == pytest.approx({"critical": 0.05, "normal": 0.25, "sheddable": 0.70})
+    assert traffic.parse_lengths("16=1,64=3") == {16: 0.25, 64: 0.75}
+    assert len(traffic.parse_lengths("uniform:8:15")) == 8
+    priority, length = traffic.draw(20000, mix, {16: 0.25, 64: 0.75}, np.random.default_rng(1))
+    assert abs((priority == 2).mean() - 0.70) < 0.02
+    assert abs((length == 64).mean() - 0.75) < 0.02
+    with pytest.raises(traffic.TrafficError):
+        traffic.parse_mix("bulk=1")
+
+
+def test_trace_replay(tmp_path: Path) -> None:
+    path = tmp_path / "trace.txt"
+    path.write_text("# t priority length\n10.5 critical 32\n10.0 - 8\n11.0\n")
+    arrivals = traffic.trace_arrivals(path, 2.0, {"normal": 1.0}, {16: 1.0},
+                                      np.random.default_rng(0))
+    assert arrivals.t_s.tolist() == [0.0, 0.25, 0.5]
+    assert arrivals.priority.tolist() == [1, 0, 1]
+    assert arrivals.length.tolist() == [8, 32, 16]
+
+
+def test_spec_file_then_flags_win(tmp_path: Path) -> None:
+    spec = tmp_path / "burst.spec"
+    spec.write_text("# a burst\nprofile=burst\nrate=50\nburst-factor=4\nduration_s=6\n")
+    parser = argparse.ArgumentParser()
+    loadgen.configure(parser)
+    options = traffic.resolve(vars(parser.parse_args(["--spec", str(spec), "--rate", "80"])))
+    assert (options["profile"], options["rate"], options["burst_factor"]) == ("burst", 80.0, 4.0)
+    assert options["duration_s"] == 6.0 and options["mode"] == "open"
+    spec.write_text(json.dumps({"profile": "step", "steps": "10:1,20:2"}))
+    options = traffic.resolve(vars(parser.parse_args(["--spec", str(spec)])))
+    assert options["duration_s"] == 3.0
+    spec.write_text("rate=fast\n")
+    with pytest.raises(traffic.TrafficError):
+        traffic.resolve(vars(parser.parse_args(["--spec", str(spec)])))
+
+
+# --- HDR histogram -----------------------------------------------------------------
+
+def test_hdr_percentiles_within_stated_error() -> None:
+    values = np.random.default_rng(3).lognormal(mean=-5, sigma=1.5, size=50_000)
+    h = Histogram()
+    for v in values.tolist():
+        h.record(v)
+    exact = np.sort(values)
+    for q in (1, 10, 50, 90, 99, 99.9, 100):
+        want = float(exact[max(1, math.ceil(round(q / 100 * len(exact), 9))) - 1])  # nearest rank
+        tolerance = h.relative_error * want + h.unit_s
+        assert abs(h.percentile(q) - want) <= tolerance, q
+    assert h.count == len(values)
+    assert h.mean_s == pytest.approx(float(values.mean()))
+
+
+def test_hdr_merge_equals_recording_everything() -> None:
+    a, b, both = Histogram(), Histogram(), Histogram()
+    for i in range(1, 2000):
+        (a if i % 3 else b).record(i * 1e-4)
+        both.record(i * 1e-4)
+    a.merge(b)
+    assert a.counts == both.counts and a.count == both.count
+    assert a.percentile(99) == both.percentile(99)
+    assert Histogram.from_dict(a.to_dict()).percentile(50) == a.percentile(50)
+
+
+# --- report from records (what the simulator feeds) --------------------------------
+
+def synthetic_records() -> list[Record]:
+    records = []
+    for i in range(300):
+        t = i / 100
+        priority = ("critical", "normal", "sheddable")[i % 3]
+        if i % 10 == 0:
+            records.append(Record(t, 0.001, 429, "shed", priority, 0.1))
+        elif i % 10 == 1:
+            records.append(Record(t, 0.2, 200, "", priority, 0.1))  # late
+        elif i == 299:
+            records.append(Record(t, None, 0, "unsent", priority, 0.1))
+        else:
+            records.append(Record(t, 0.01, 200, "", priority, 0.1))
+    return records
+
+
+def test_report_from_records(tmp_path: Path) -> None:
+    sizes = distribution([1, 2, 2, 8, 40], [1, 2, 4, 8, 16, 32])
+    report = build_report(synthetic_records(), bin_s=0.5,
+                          snapshots=[{"t": 0.0, "depth": {"normal": 3}},
+                                     {"t": 1.0, "depth": {"normal": 1}}],
+                          batches={"size": sizes}, meta={"mode": "sim"})
+    s = report["summary"]
+    assert (s["offered"], s["sent"], s["unsent"]) == (300, 299, 1)
+    assert sum(s["counts_by_status"].values()) == s["sent"]
+    assert s["counts_by_status"] == {"200": 269, "429": 30}
+    assert s["counts_by_outcome"]["429 shed"] == 30
+    assert s["in_deadline"] == 269 - 30
+    assert report["timeline"]["bin_s"] == 0.5
+    assert sum(report["timeline"]["offered"]) * 0.5 == 300
+    assert sizes["counts"] == [1, 2, 0, 1, 0, 0, 1]
+    files = write_plots(report, tmp_path)
+    assert {f.name for f in files} == {"rates.png", "latency.png", "queue.png", "batches.png"}
+    assert all(f.read_bytes()[:8] == PNG_MAGIC for f in files)
+    tally = Tally(0.5)
+    for r in synthetic_records():
+        tally.add(r)
+    assert build_report(tally)["summary"] == build_report(synthetic_records(),
+                                                          bin_s=0.5)["summary"]
+
+
+def test_prometheus_histogram_delta() -> None:
+    def text(counts: tuple[int, int, int]) -> str:
+        return "\n".join([
+            "# HELP vega_batch_size Items per batch", "# TYPE vega_batch_size histogram",
+            f'vega_batch_size_bucket{{le="1.0",model="m"}} {counts[0]}',
+            f'vega_batch_size_bucket{{le="2.0",model="m"}} {counts[1]}',
+            f'vega_batch_size_bucket{{le="+Inf",model="m"}} {counts[2]}',
+            f'vega_batch_size_count{{model="m"}} {counts[2]}',
+            f'vega_batch_size_sum{{model="m"}} {counts[2] * 2}', ""])
+    before = prometheus_histogram(text((1, 2, 3)), "vega_batch_size")
+    after = prometheus_histogram(text((2, 5, 9)), "vega_batch_size")
+    delta = distribution_delta(before, after)
+    assert delta is not None
+    assert (delta["le"], delta["counts"], delta["count"]) == (["1", "2", "+Inf"],
+                                                              [1, 2, 3], 6)
+
+
+# --- a real run --------------------------------------------------------------------
+
+def test_open_loop_run_against_vega(vega: Callable[..., VegaProcess], tmp_path: Path) -> None:
+    server = vega(VEGA_MODEL="python:tests.models:echo")
+    out = tmp_path / "bench"
+    code = loadgen.main([server.url, "--rate", "150", "--duration-s", "2", "--seed", "5",
+                         "--lengths", "8=1,16=1", "--deadline-ms", "300", "--poll-s", "0.2",
+                         "--drain-s", "3", "--no-progress", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    s = report["summary"]
+    assert s["sent"] == sum(s["counts_by_status"].values())
+    assert s["sent"] + s["unsent"] == s["offered"] > 200
+    for key in ("throughput", "goodput", "goodput_ratio", "latency_ms", "counts_by_outcome"):
+        assert key in s
+    assert set(report["classes"]) <= {"critical", "normal", "sheddable"}
+    assert report["meta"]["mode"] == "open" and report["client"]["connect_errors"] == 0
+    assert report["queue"]["t"] and set(report["queue"]["depth"]) == {"critical", "normal",
+                                                                      "sheddable"}
+    assert report["batches"]["size"]["count"] > 0
+    assert report["timeline"]["offered"] and report["timeline"]["answered"]
+    pngs = sorted(out.glob("*.png"))
+    assert [p.name for p in pngs] == ["batches.png", "latency.png", "queue.png", "rates.png"]
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+
+    closed = tmp_path / "closed"
+    code = loadgen.main([server.url, "--mode", "closed", "--connections", "4", "--duration-s",
+                         "1", "--no-progress", "--no-plots", "--poll-s", "0", "--out",
+                         str(closed)])
+    assert code == 0
+    report = json.loads((closed / "report.json").read_text())
+    s = report["summary"]
+    assert s["sent"] == sum(s["counts_by_status"].values()) == s["offered"] > 0
+    assert report["meta"]["mode"] == "closed" and report["client"]["max_connections_used"] == 4
