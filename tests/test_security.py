@@ -52,7 +52,7 @@ def test_request_ids_are_echoed_sanitised_and_bounded(guarded: VegaProcess) -> N
     echoed = hostile.headers["x-request-id"]
     assert echoed.startswith("evilidscript") and len(echoed) == 64
     fresh = httpx.post(guarded.url + "/v1/infer", content=BODY, headers=auth)
-    assert len(fresh.headers["x-request-id"]) == 32
+    assert fresh.headers["x-request-id"] != kept.headers["x-request-id"]
 
 
 def test_secrets_never_reach_the_log(guarded: VegaProcess) -> None:

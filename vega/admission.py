@@ -27,6 +27,9 @@ class AdmissionConfig:
     rate_limit: float  # cost units per second; 0 = no token bucket
     burst: float  # cost units; 0 = one second of rate_limit
     margin_s: float
+    # Under a standing queue, the most queued work (seconds) a non-critical item may
+    # join; at least two full batches of its bucket so batching keeps its pipeline.
+    standing_target_s: float = 0.005
 
 
 class TokenBucket:
@@ -75,6 +78,7 @@ class Admission:
         """Admit a request of ``len(buckets)`` items or raise; return each item's cost."""
         costs = [self.batcher.item_cost(bucket) for bucket in buckets]
         self._check_room(priority, len(buckets))
+        self._check_standing(priority, buckets, now)
         self._check_deadline(priority, buckets, deadline, now)
         if self.bucket is not None:
             wait_s = self.bucket.take(sum(costs), priority == CRITICAL, now)
@@ -97,6 +101,26 @@ class Admission:
         excess = depth + count - limit
         raise VegaError(code, f"queue at its bound for {PRIORITY_NAMES[priority]} requests",
                         retry_after_ms=self._drain_ms(excess))
+
+    def precheck(self, priority: int) -> None:
+        """Refuse before the body is read when no request of this class could enter."""
+        self._check_room(priority, 1)
+
+    def _check_standing(self, priority: int, buckets: Sequence[int], now: float) -> None:
+        # Rule 5 (CoDel): once the queue has not emptied for an interval, a long queue is
+        # the problem, not a buffer: keep it to a few batches of work and refuse the rest
+        # now, cheaply, rather than after they waited.
+        batcher = self.batcher
+        if priority == CRITICAL or not batcher.standing(now):
+            return
+        size = batcher.config.max_batch_size
+        target = max(self.config.standing_target_s,
+                     2 * max(batcher.times.predict(b, size) for b in set(buckets)))
+        ahead_s = batcher.backlog_s(priority)
+        if ahead_s > target:
+            code = "shed" if priority == SHEDDABLE else "queue_full"
+            raise VegaError(code, "sustained overload: queue kept short",
+                            retry_after_ms=max(MIN_RETRY_MS, 1000 * (ahead_s - target)))
 
     def _check_deadline(self, priority: int, buckets: Sequence[int], deadline: float,
                         now: float) -> None:

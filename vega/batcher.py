@@ -14,10 +14,12 @@ batch time) the batcher exposes as values.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vega.errors import VegaError
 from vega.records import CRITICAL, PRIORITY_NAMES, Batch, Item
@@ -97,6 +99,11 @@ class Batcher:
                 return index
         return len(self.config.buckets) - 1
 
+    def oldest(self, priority: int) -> float | None:
+        """When the oldest live item of ``priority`` was queued (loop clock), or None."""
+        heads = (_front(queues[priority]) for queues in self._queues)
+        return min((item.enqueued_at for item in heads if item is not None), default=None)
+
     def standing(self, now: float) -> bool:
         since = self._nonempty_since
         return since is not None and now - since > self.config.standing_after_s
@@ -114,7 +121,7 @@ class Batcher:
         item.enqueued_at = loop.time()
         self._queues[item.bucket][item.priority].append(item)
         self._count(item, +1)
-        item.future.add_done_callback(lambda _f, item=item: self._left_queue(item))
+        item.future.add_done_callback(functools.partial(self._left_queue, item))
         self._wake.set()
 
     def _count(self, item: Item, sign: int) -> None:
@@ -133,7 +140,7 @@ class Batcher:
         if not any(self._depth) and not self._inflight:
             self._idle.set()
 
-    def _left_queue(self, item: Item) -> None:
+    def _left_queue(self, item: Item, _future: asyncio.Future[Any]) -> None:
         # Answered or cancelled while still queued (deadline, caller gone): the deque
         # drops it lazily when it reaches the front; the counts change now.
         if not item.dispatched_at:
@@ -201,6 +208,8 @@ class Batcher:
 
     def _form(self, bucket: int, now: float) -> Batch:
         lifo = self.standing(now)
+        if lifo:
+            self._sweep_stale(bucket, now)
         size = min(self.config.max_batch_size, self._bucket_depth[bucket])
         finish = now + self.times.predict(bucket, size)
         items: list[Item] = []
@@ -219,6 +228,25 @@ class Batcher:
         pad_to = max((item.length for item in items), default=0)
         return Batch(model=self.config.model, bucket=bucket, items=items, formed_at=now, pad_to=pad_to)
 
+    def _sweep_stale(self, bucket: int, now: float) -> None:
+        """Answer non-critical items that waited past the interval at the old end.
+
+        Serving newest first leaves the oldest at the front; without this they would
+        hold their places (and make the bucket look oldest) until their deadline.
+        """
+        oldest_allowed = now - self.config.standing_after_s
+        for priority, queue in enumerate(self._queues[bucket]):
+            if priority == CRITICAL:
+                continue
+            while queue and (not queue[0].live or queue[0].enqueued_at < oldest_allowed):
+                item = queue.popleft()
+                if item.live:
+                    self._count(item, -1)
+                    item.dispatched_at = now
+                    item.future.set_exception(VegaError(
+                        "shed", "queued too long under sustained overload",
+                        retry_after_ms=1000 * max(self.backlog_s(), 0.05)))
+
     def _refuse_at_dispatch(self, item: Item, finish: float, now: float,
                             standing: bool) -> VegaError | None:
         if item.deadline <= finish:
@@ -233,7 +261,7 @@ class Batcher:
         done = asyncio.ensure_future(self._sink(batch))
         self._inflight.add(done)
         self._idle.clear()
-        done.add_done_callback(lambda f, batch=batch: self._finished(batch, f))
+        done.add_done_callback(functools.partial(self._finished, batch))
 
     def _finished(self, batch: Batch, done: asyncio.Future[None]) -> None:
         self._inflight.discard(done)

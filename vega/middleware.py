@@ -7,6 +7,7 @@ request ids are untrusted text: only a short, safe form of one reaches logs.
 from __future__ import annotations
 
 import hmac
+import itertools
 import re
 import uuid
 from collections.abc import Iterable
@@ -19,13 +20,17 @@ _SAFE_ID = re.compile(r"[^A-Za-z0-9._:-]")
 MAX_ID_CHARS = 64
 
 
+_PREFIX = uuid.uuid4().hex[:12]  # per process; a counter makes each id unique in it
+_counter = itertools.count(1)
+
+
 def clean_request_id(raw: bytes | None) -> str:
     """The client's id cut to 64 safe characters, or a fresh one if nothing is left."""
     if raw:
         cleaned = _SAFE_ID.sub("", raw[:256].decode("latin-1"))[:MAX_ID_CHARS]
         if cleaned:
             return cleaned
-    return uuid.uuid4().hex
+    return f"{_PREFIX}-{next(_counter):x}"
 
 
 class RequestIdMiddleware:

@@ -19,7 +19,7 @@ PATCH = 8
 CLASSES = 4
 
 
-def build_module(*, width: int = 64, layers: int = 6, heads: int = 4, seed: int = 0) -> Any:
+def build_module(*, width: int = 128, layers: int = 6, heads: int = 4, seed: int = 0) -> Any:
     import torch
     from torch import nn
 

@@ -1,0 +1,262 @@
+"""The virtual clock, the simulator, and the simulator checked against a real server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.servers import VegaProcess
+from vega import loadgen, profile, simclock, simulate, traffic
+from vega.config import load_settings
+
+PROFILE: dict[str, Any] = {  # 2 ms + 0.25 ms per item, whatever the length
+    "model": "fake", "buckets": [16, 512], "sizes": [1, 32],
+    "seconds": {str(b): {"1": {"p50": 0.00225, "p90": 0.0025},
+                         "32": {"p50": 0.010, "p90": 0.011}} for b in (16, 512)},
+}
+CAPACITY = 32 / 0.010  # items/s at full batches: 3200
+
+
+def arrivals(seed: int = 1, **options: Any) -> traffic.Arrivals:
+    base = {"profile": "steady", "rate": 1000.0, "duration_s": 2.0, "process": "poisson",
+            "mix": "sheddable=70,normal=25,critical=5", "lengths": "16"}
+    return traffic.plan(base | options, np.random.default_rng(seed))
+
+
+def run_sim(plan: traffic.Arrivals, seed: int = 1, processes: int = 1,
+            overflow_after_ms: float | None = None, **env: str) -> dict[str, Any]:
+    settings = load_settings(environ={"VEGA_WARMUP_BATCHES": "1", **env})
+    options = simulate.SimOptions(settings, simulate.LatencyModel.from_profile(PROFILE),
+                                  processes=processes, seed=seed,
+                                  overflow_after_ms=overflow_after_ms)
+    result = simulate.simulate(options, plan.t_s.tolist(), plan.priority.tolist(),
+                               plan.length.tolist())
+    report = simulate.build(result, options)
+    report["meta"].pop("wall_s")
+    return report
+
+
+def outcomes(report: dict[str, Any]) -> dict[str, int]:
+    counts: dict[str, int] = report["summary"]["counts_by_outcome"]
+    return counts
+
+
+# -- the virtual clock ---------------------------------------------------------------
+
+def test_virtual_time_jumps_instead_of_passing() -> None:
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.sleep(10)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), 5)
+        fired: list[float] = []
+        loop.call_at(started + 20, lambda: fired.append(loop.time()))
+        await asyncio.sleep(6)
+        assert fired == [started + 20]
+        return loop.time() - started
+
+    wall = time.perf_counter()
+    assert simclock.run(main()) == pytest.approx(21.0)
+    assert time.perf_counter() - wall < 0.5
+
+
+def test_virtual_loop_still_runs_threads() -> None:
+    async def main() -> tuple[int, float]:
+        loop = asyncio.get_running_loop()
+        before = loop.time()
+        value = await loop.run_in_executor(None, lambda: 6 * 7)
+        return value, loop.time() - before
+
+    assert simclock.run(main()) == (42, 0.0)
+
+
+# -- the latency model ---------------------------------------------------------------
+
+def test_latency_model_interpolates_in_size_and_length() -> None:
+    doc = {"buckets": [16, 64], "sizes": [1, 8],
+           "seconds": {"16": {"1": {"p50": 0.001}, "8": {"p50": 0.002}},
+                       "64": {"1": {"p50": 0.003}, "8": {"p50": 0.010}}}}
+    model = simulate.LatencyModel.from_profile(doc)
+    assert model.seconds(16, 1) == pytest.approx(0.001)
+    assert model.seconds(8, 1) == pytest.approx(0.001)  # shorter than profiled: as short
+    assert model.seconds(40, 1) == pytest.approx(0.002)  # halfway between lengths
+    assert model.seconds(64, 15) == pytest.approx(0.017)  # past the last size: extrapolated
+    assert model.seconds(100, 8) == pytest.approx(0.010)  # past the last length: capped
+    assert model.sigma(16, 1) == 0.0  # no p90: no noise
+
+
+def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    monkeypatch.setenv("TEST_SLEEP_MS", "1")
+    settings = load_settings(environ={"VEGA_MODEL": "python:tests.models:echo"})
+    doc = profile.measure(settings, sizes=[1, 4], repeats=2, buckets=[16])
+    assert doc["buckets"] == [16, 512]
+    assert doc["sizes"] == [1, 4]
+    for bound in ("16", "512"):
+        for size in ("1", "4"):
+            times = doc["seconds"][bound][size]
+            assert 0.001 <= times["p50"] <= times["p90"] < 0.5
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    assert simulate.LatencyModel.from_file(path).seconds(16, 1) == doc["seconds"]["16"]["1"]["p50"]
+
+
+# -- the simulator -------------------------------------------------------------------
+
+def test_same_seed_same_report() -> None:
+    plan = arrivals(profile="burst", burst_factor=5.0, burst_at_s=0.5, burst_s=1.0)
+    first, second = run_sim(plan, seed=3), run_sim(plan, seed=3)
+    assert first == second
+    assert run_sim(plan, seed=4)["summary"] != first["summary"]  # the noise is seeded
+
+
+def test_under_capacity_everything_is_answered_in_time() -> None:
+    report = run_sim(arrivals(rate=0.3 * CAPACITY))
+    summary = report["summary"]
+    assert outcomes(report) == {"200": summary["offered"]}
+    assert summary["in_deadline"] == summary["offered"]
+    assert summary["latency_ms"]["p99"] < 25  # 5 ms wait + one batch or two
+
+
+def test_over_capacity_refuses_and_serves_at_capacity() -> None:
+    report = run_sim(arrivals(rate=3 * CAPACITY))
+    summary, counts = report["summary"], outcomes(report)
+    refused = sum(n for label, n in counts.items() if label.startswith("429"))
+    assert refused > 0.5 * summary["offered"]
+    assert counts.get("429 shed", 0) > 0
+    assert 0.7 * CAPACITY < summary["ok_rate"] <= 1.05 * CAPACITY
+    critical = report["classes"]["critical"]
+    assert critical["goodput_ratio"] > 0.95  # headroom kept for critical (rule 4)
+
+
+def test_token_bucket_refusals_show_up() -> None:
+    report = run_sim(arrivals(rate=1000.0), VEGA_RATE_LIMIT="500", VEGA_BURST="50")
+    assert outcomes(report).get("429 rate_limited", 0) > 500
+
+
+def test_two_processes_serve_twice_as_much() -> None:
+    plan = arrivals(rate=4 * CAPACITY, duration_s=1.0)
+    one, two = run_sim(plan), run_sim(plan, processes=2)
+    assert two["summary"]["ok"] > 1.7 * one["summary"]["ok"]
+    shares = [p["batches"] for p in two["meta"]["per_process"]]
+    assert min(shares) > 0.8 * max(shares)  # least_conn spreads the work
+
+
+def test_overflow_hands_batches_to_an_idle_peer() -> None:
+    plan = arrivals(rate=0.6 * CAPACITY, duration_s=1.0)
+    # Deep pipelines so a process books work ahead, with a low overflow threshold.
+    report = run_sim(plan, processes=3, overflow_after_ms=1.0, VEGA_MAX_INFLIGHT_BATCHES="8",
+                     VEGA_MAX_WAIT_MS="1")
+    moved = report["meta"]["per_process"]
+    assert sum(p["overflow_out"] for p in moved) == sum(p["overflow_in"] for p in moved)
+    assert outcomes(report) == {"200": report["summary"]["offered"]}
+
+
+def test_command_writes_the_load_generators_report_and_plots(tmp_path: Path) -> None:
+    latency = tmp_path / "profile.json"
+    latency.write_text(json.dumps(PROFILE))
+    parser = argparse.ArgumentParser()
+    simulate.configure(parser)
+    args = parser.parse_args(["--latency", str(latency), "--profile", "burst", "--rate", "500",
+                              "--duration-s", "3", "--burst-at-s", "1", "--burst-s", "1",
+                              "--burst-factor", "20", "--seed", "2", "--out", str(tmp_path),
+                              "--set", "VEGA_QUEUE_CAPACITY=256"])
+    assert simulate.run(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["meta"]["mode"] == "simulate"
+    assert report["meta"]["settings"]["queue_capacity"] == 256
+    assert report["queue"]["max_depth"]["sheddable"] > 0
+    for name in ("rates.png", "latency.png", "queue.png", "batches.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_command_refuses_a_bad_setting(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                       ) -> None:
+    latency = tmp_path / "profile.json"
+    latency.write_text(json.dumps(PROFILE))
+    parser = argparse.ArgumentParser()
+    simulate.configure(parser)
+    args = parser.parse_args(["--latency", str(latency), "--set", "VEGA_MAX_BATCH_SIZE=0"])
+    assert simulate.run(args) == simulate.EXIT_CONFIG
+    assert "VEGA_MAX_BATCH_SIZE" in capsys.readouterr().err
+
+
+# -- the simulator against a real server ---------------------------------------------
+
+VALIDATION_ENV = {
+    "VEGA_MODEL": "python:tests.models:echo", "TEST_SLEEP_MS": "10", "TEST_PER_ITEM_MS": "1",
+    "VEGA_MAX_BATCH_SIZE": "16", "VEGA_LENGTH_BUCKETS": "16", "VEGA_QUEUE_CAPACITY": "256",
+    "VEGA_TORCH_THREADS": "1", "VEGA_WARMUP_BATCHES": "1", "VEGA_LOG_LEVEL": "warning",
+}
+VALIDATION_TRAFFIC = {  # 100/s, then 900/s for 2 s (1.5x capacity), then 100/s
+    "profile": "burst", "rate": 100.0, "burst_factor": 9.0, "burst_at_s": 1.5,
+    "burst_s": 2.0, "duration_s": 5.0, "lengths": "16", "seed": 7,
+    "connections": 200, "max_connections": 200, "poll_s": 0.1, "plots": False,
+    "progress": False,
+}
+
+
+def within(sim: float, real: float, rel: float, abs_: float = 0.0) -> bool:
+    return abs(sim - real) <= max(rel * abs(real), abs_)
+
+
+async def test_simulator_matches_a_real_burst(vega: Callable[..., VegaProcess],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scaled burst, sent for real by the load generator and replayed in the simulator.
+
+    The model is tests.models.echo sleeping 10 ms + 1 ms per item (batches of 16:
+    ~600 items/s); the burst offers 1.5x that for 2 s, 2,100 requests in all. Both
+    runs get the same arrivals (same seed); the simulator gets a profile measured
+    here by ``vega profile``'s code. Tolerances, sim against real, for a shared
+    2-core machine where the server, the load generator and the test share the CPUs:
+
+    - goodput (200s within deadline per second): within 20%;
+    - refusals (429s): within 35%, or 60 requests;
+    - p50 latency of admitted requests: within 30%, or 10 ms;
+    - p99: within a factor of 2.5 either way, or 25 ms.
+
+    Typical here: goodput and p50 within 5-10%, refusals within 10-20%, p99 about
+    0.6x real. The simulator leaves out HTTP and JSON work, the GIL the event loop
+    takes from the executor thread and the client's own send delays, so it is
+    optimistic: a little more goodput, fewer refusals, a shorter tail.
+    """
+    for key in ("TEST_SLEEP_MS", "TEST_PER_ITEM_MS"):  # the profile runs the model here
+        monkeypatch.setenv(key, VALIDATION_ENV[key])
+    settings = load_settings(environ={k: v for k, v in VALIDATION_ENV.items()
+                                      if k.startswith("VEGA_")})
+    measured = await asyncio.to_thread(profile.measure, settings, sizes=[1, 2, 4, 8, 16],
+                                       repeats=3, buckets=[16])
+    server = await asyncio.to_thread(vega, **VALIDATION_ENV)
+    options = traffic.resolve({"url": server.url, **VALIDATION_TRAFFIC})
+    real = await loadgen.bench(options)
+
+    plan = traffic.plan(options, np.random.default_rng(options["seed"]))
+    sim_options = simulate.SimOptions(
+        settings, simulate.LatencyModel.from_profile(measured), seed=options["seed"],
+        deadlines_s=traffic.parse_deadlines(str(options["deadline_ms"])))
+    result = await asyncio.to_thread(simulate.simulate, sim_options, plan.t_s.tolist(),
+                                     plan.priority.tolist(), plan.length.tolist())
+    sim = simulate.build(result, sim_options)
+
+    r, s = real["summary"], sim["summary"]
+    assert r["offered"] == s["offered"] and r["unsent"] == 0
+    real_refused = r["counts_by_status"].get("429", 0)
+    sim_refused = s["counts_by_status"].get("429", 0)
+    report = (f"real: goodput {r['goodput']} refused {real_refused} latency {r['latency_ms']}\n"
+              f"sim:  goodput {s['goodput']} refused {sim_refused} latency {s['latency_ms']}")
+    assert real_refused > 0 and sim_refused > 0, report
+    assert within(s["goodput"], r["goodput"], 0.20), report
+    assert within(sim_refused, real_refused, 0.35, 60), report
+    assert within(s["latency_ms"]["p50"], r["latency_ms"]["p50"], 0.30, 10), report
+    ratio = s["latency_ms"]["p99"] / r["latency_ms"]["p99"]
+    assert 1 / 2.5 <= ratio <= 2.5 or within(s["latency_ms"]["p99"], r["latency_ms"]["p99"],
+                                              0, 25), report

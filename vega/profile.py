@@ -1,0 +1,139 @@
+"""``vega profile``: measure the model's batch latency per length bucket and batch size.
+
+The model is loaded with the same adapter, device and torch threads a server
+would use (``VEGA_*`` settings, ``--env-file``, flags), and each (bucket, size)
+shape is run through ``Executor.run_sync`` in this thread: one untimed pass, then
+``--repeats`` timed ones. The file written is what ``vega simulate`` replays::
+
+    {"model": "sensor", "spec": "sensor", "device": "cpu", "torch_threads": 1,
+     "buckets": [16, ..., 512], "sizes": [1, 2, 4, ...], "repeats": 5,
+     "seconds": {"16": {"1": {"p50": 0.0011, "p90": 0.0013}, ...}, ...}}
+
+Bucket keys are the bucket's upper length bound: every item of a batch is padded
+to it, the worst case of that bucket, which is what the batcher predicts for too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vega.config import ConfigError, Settings, load_settings
+
+EXIT_CONFIG = 2
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env-file", help="systemd EnvironmentFile with VEGA_* settings")
+    parser.add_argument("--model", help="model spec (default VEGA_MODEL)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default VEGA_DEVICE)")
+    parser.add_argument("--torch-threads", type=int,
+                        help="torch intra-op threads (default VEGA_TORCH_THREADS)")
+    parser.add_argument("--buckets", help="comma-separated length bounds "
+                        "(default VEGA_LENGTH_BUCKETS, capped at the model's longest input)")
+    parser.add_argument("--sizes", help="comma-separated batch sizes "
+                        "(default powers of two up to VEGA_MAX_BATCH_SIZE, and it)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes per shape")
+    parser.add_argument("--out", default="profile.json", help="file to write (JSON)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(env_file=args.env_file)
+        buckets = _ints(args.buckets) if args.buckets else None
+        sizes = _ints(args.sizes) if args.sizes else default_sizes(settings.max_batch_size)
+    except (ConfigError, ValueError) as error:
+        print(f"vega profile: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.repeats < 1:
+        print(f"vega profile: --repeats={args.repeats}: expected >= 1", file=sys.stderr)
+        return EXIT_CONFIG
+    profile = measure(settings, model=args.model, device=args.device,
+                      torch_threads=args.torch_threads, buckets=buckets, sizes=sizes,
+                      repeats=args.repeats, progress=sys.stderr)
+    Path(args.out).write_text(json.dumps(profile, indent=1) + "\n")
+    print(f"wrote {args.out}: {len(profile['buckets'])} buckets x {len(sizes)} sizes",
+          file=sys.stderr)
+    return 0
+
+
+def default_sizes(max_batch_size: int) -> list[int]:
+    sizes = {1, max_batch_size}
+    size = 2
+    while size < max_batch_size:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
+
+
+def measure(settings: Settings, *, model: str | None = None, device: str | None = None,
+            torch_threads: int | None = None, buckets: list[int] | None = None,
+            sizes: list[int], repeats: int = 5, progress: Any = None) -> dict[str, Any]:
+    """Load the model and time every (bucket, size); return the profile document."""
+    from vega.executor import Executor, pick_device
+    from vega.models import load_model
+
+    spec = model or settings.model
+    adapter = load_model(spec, settings.model_name if model is None else "")
+    threads = settings.torch_threads if torch_threads is None else torch_threads
+    chosen = pick_device(device or settings.device)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    adapter.load(chosen)
+    executor = Executor({adapter.name: adapter}, threads=1, torch_threads=threads)
+    bounds = _bounds(buckets or list(settings.length_buckets), adapter.max_length)
+    seconds: dict[str, dict[str, dict[str, float]]] = {}
+    try:
+        for bound in bounds:
+            sample = adapter.example(bound)
+            row = seconds[str(bound)] = {}
+            for size in sizes:
+                samples = [sample] * size
+                executor.run_sync(adapter.name, samples, bound)  # untimed: allocations
+                times = [executor.run_sync(adapter.name, samples, bound)[1]
+                         for _ in range(repeats)]
+                row[str(size)] = {"p50": statistics.median(times), "p90": _p90(times)}
+            if progress is not None:
+                last = row[str(sizes[-1])]["p50"]
+                print(f"bucket {bound}: size {sizes[-1]} p50 {1000 * last:.2f} ms",
+                      file=progress)
+    finally:
+        executor.shutdown()
+    return {"model": adapter.name, "spec": spec, "device": chosen, "torch_threads": threads,
+            "host": platform.node(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "buckets": bounds, "sizes": sizes, "repeats": repeats, "seconds": seconds}
+
+
+def _bounds(bounds: list[int], max_length: int) -> list[int]:
+    # The same bucket bounds the runtime serves with (runtime._buckets_for).
+    return [b for b in bounds if b < max_length] + [max_length]
+
+
+def _p90(times: list[float]) -> float:
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def _ints(raw: str) -> list[int]:
+    values = [int(part) for part in raw.split(",") if part.strip()]
+    if not values or any(v < 1 for v in values) or values != sorted(set(values)):
+        raise ValueError(f"{raw!r}: expected increasing positive integers, comma separated")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vega profile", description=__doc__.split("\n")[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
