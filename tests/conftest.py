@@ -7,6 +7,8 @@ import pytest
 
 from tests.servers import VegaProcess
 
+pytest_plugins = ["tests.infra"]
+
 
 @pytest.fixture
 def vega(tmp_path: Path) -> Iterator[Callable[..., VegaProcess]]:

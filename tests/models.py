@@ -22,8 +22,12 @@ FAIL_MARK = 666.0  # an instance whose first value is this makes the batch raise
 class _Echo:
     """forward: per item, [sum of valid inputs, length, batch size]; optional sleep, failure."""
 
-    def __init__(self) -> None:
-        self.sleep_s = float(os.environ.get("TEST_SLEEP_MS", "0")) / 1000
+    def __init__(self, fast: bool = False) -> None:
+        self.sleep_s = 0.0 if fast else float(os.environ.get("TEST_SLEEP_MS", "0")) / 1000
+        # TEST_FORWARD_LOG: a file that gets one line (the batch size) per forward pass.
+        self.forward_log = os.environ.get("TEST_FORWARD_LOG", "")
+        # TEST_LEDGER: a file that gets the id of every item run (window[0][1], see tagged()).
+        self.ledger = os.environ.get("TEST_LEDGER", "")
         self.per_item_s = float(os.environ.get("TEST_PER_ITEM_MS", "0")) / 1000
         self.hang_s = float(os.environ.get("TEST_HANG_MS", "0")) / 1000
         self.forwards: dict[float, int] = {}
@@ -40,6 +44,13 @@ class _Echo:
         import torch
 
         batch = x.shape[0]
+        if self.forward_log:
+            with self.lock, open(self.forward_log, "a") as log:
+                log.write(f"{batch}\n")
+        if self.ledger:
+            ids = "".join(f"{int(v)}\n" for v in x[:, 0, 1].tolist())
+            with self.lock, open(self.ledger, "a") as ledger:
+                ledger.write(ids)
         if self.sleep_s or self.per_item_s:
             time.sleep(self.sleep_s + self.per_item_s * batch)
         if bool((x[:, 0, 0] == FAIL_MARK).any()):
@@ -55,6 +66,38 @@ def echo(name: str) -> SequenceModel:
     return SequenceModel(_Echo(), name, channels=8, max_length=512, output_size=3)
 
 
+def echo_fast(name: str) -> SequenceModel:
+    """``echo`` without TEST_SLEEP_MS and its forward log: a fallback for it."""
+    model = _Echo(fast=True)
+    model.forward_log = ""
+    return SequenceModel(model, name, channels=8, max_length=512, output_size=3)
+
+
+def forwarded(path: str) -> int:
+    """Items run through the model so far, from a TEST_FORWARD_LOG file."""
+    try:
+        with open(path) as log:
+            return sum(int(line) for line in log if line.strip())
+    except FileNotFoundError:
+        return 0
+
+
 def window(length: int, value: float = 0.5) -> list[list[float]]:
     """A valid instance for the test and sensor models."""
     return np.full((length, 8), value, dtype=np.float32).tolist()  # type: ignore[no-any-return]
+
+
+def tagged(item_id: int, length: int = 16, value: float = 0.5) -> list[list[float]]:
+    """A window that carries ``item_id`` (in row 0, channel 1) into a TEST_LEDGER."""
+    rows = window(length, value)
+    rows[0][1] = float(item_id)
+    return rows
+
+
+def ledger(path: str) -> list[int]:
+    """Ids of every item the model ran, once per run, from a TEST_LEDGER file."""
+    try:
+        with open(path) as lines:
+            return [int(line) for line in lines if line.strip()]
+    except FileNotFoundError:
+        return []

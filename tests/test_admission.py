@@ -123,3 +123,21 @@ def test_token_bucket_keeps_a_reserve_for_critical() -> None:
     assert bucket.take(2.0, critical=True, now=0.0) == 0.0
     bucket.refund(3.0)
     assert bucket.tokens == pytest.approx(3.0)
+
+
+async def test_standing_queue_keeps_non_critical_to_a_few_batches_of_work() -> None:
+    admission, batcher = make(capacity=1000)
+    fill(batcher, 100)  # 100 ms of work ahead
+    now = asyncio.get_running_loop().time()
+    admission.admit(NORMAL, [0], deadline=now + 100.0, now=now)  # not standing yet: fine
+    later = now + 1.0  # the queue has not emptied for a second: standing
+    assert batcher.standing(later)
+    with pytest.raises(VegaError) as caught:
+        admission.admit(NORMAL, [0], deadline=later + 100.0, now=later)
+    # Two full batches of the short bucket (2 x 4 ms) are kept; the rest is refused now.
+    assert caught.value.code == "queue_full"
+    assert caught.value.retry_after_ms == pytest.approx(101 - 8, abs=1)
+    with pytest.raises(VegaError) as shed:
+        admission.admit(SHEDDABLE, [0], deadline=later + 100.0, now=later)
+    assert shed.value.code == "shed"
+    admission.admit(CRITICAL, [0], deadline=later + 100.0, now=later)  # critical still joins

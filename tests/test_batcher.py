@@ -204,3 +204,23 @@ async def test_wait_idle_returns_only_when_everything_is_answered(running) -> No
     sink.gate.set()
     await asyncio.wait_for(idle, 5)
     assert all(i.future.done() for i in items)
+
+
+async def test_standing_queue_sweeps_stale_items_from_the_old_end(running) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, max_inflight=1, max_batch_size=2, max_wait_s=0.0,
+                         standing_after_s=0.05)
+    first = [item(batcher), item(batcher)]
+    await asyncio.sleep(0.01)
+    stale = [item(batcher) for _ in range(4)]
+    await asyncio.sleep(0.08)
+    fresh = [item(batcher), item(batcher)]
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in first + fresh)), 5)
+    for old in stale:
+        with pytest.raises(VegaError):
+            await old.future
+    assert batcher.depth() == 0
+    ran = {i.id for b in sink.batches for i in b.items}
+    assert ran == {i.id for i in first + fresh}

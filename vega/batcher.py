@@ -166,6 +166,7 @@ class Batcher:
                 self._slots.release()
                 if batch is not None:
                     _fail(batch.items, VegaError("model_error", "internal error forming batch"))
+                await asyncio.sleep(0)  # let pending callbacks run before looking again
 
     async def _next_batch(self) -> Batch:
         loop = asyncio.get_running_loop()
@@ -195,6 +196,10 @@ class Batcher:
             if not self._bucket_depth[bucket]:
                 continue
             heads = [_front(queue) for queue in queues]
+            if all(item is None for item in heads):
+                # Counted but no longer live: answered or cancelled, and its done
+                # callback (which fixes the counts) has not run yet.
+                continue
             oldest = min(item.enqueued_at for item in heads if item is not None)
             ready_at = oldest + self.config.max_wait_s
             if self._bucket_depth[bucket] >= self.config.max_batch_size or ready_at <= now:

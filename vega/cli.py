@@ -97,7 +97,7 @@ def serve(settings: Settings) -> int:
         "host": settings.host, "port": settings.port}
     config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on",
                             access_log=settings.access_log, log_level=settings.log_level,
-                            timeout_keep_alive=75, **options)
+                            timeout_keep_alive=75, proxy_headers=False, **options)
     server = DrainingServer(config, app.state.runtime)
     server.run()
     failed = not server.started or app.state.runtime.failed is not None

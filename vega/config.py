@@ -115,6 +115,20 @@ def _node_id(raw: str) -> str:
     return value
 
 
+def _names(raw: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in raw.split(",") if part.strip())
+    if not names or ("*" in names and len(names) > 1):
+        raise ValueError
+    return names
+
+
+def _classes(raw: str) -> tuple[str, ...]:
+    names = tuple(part.strip().lower() for part in raw.split(",") if part.strip())
+    if any(name not in PRIORITIES for name in names):
+        raise ValueError
+    return names
+
+
 SPECS: tuple[Spec, ...] = (
     Spec("host", "127.0.0.1", _text, "an address", "Address to listen on."),
     Spec("port", "8000", _int(0, 65535), "an integer 0-65535", "TCP port (0 = any free port)."),
@@ -161,6 +175,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("codel_interval_ms", "100", _float(1), "a number >= 1",
          "A queue that has not emptied for this long is a standing queue: serve "
          "newest first and refuse non-critical items older than this."),
+    Spec("codel_target_ms", "5", _float(0), "a number >= 0",
+         "Under a standing queue, non-critical items join only while the work ahead is "
+         "below this (or two full batches, if more)."),
     Spec("max_body_bytes", "4194304", _int(64), "an integer >= 64",
          "Largest request body read; larger ones get 413."),
     Spec("max_instances", "256", _int(1), "an integer >= 1",
@@ -172,8 +189,54 @@ SPECS: tuple[Spec, ...] = (
          "Redis for overflow between processes; empty = this process alone.", secret=True),
     Spec("node_id", "", _node_id, "1-64 of A-Z a-z 0-9 _ . : -",
          "Name of this process in Redis (default: host-pid)."),
+    Spec("auth_tokens", "", _text, "comma-separated tokens or empty",
+         "Bearer tokens accepted on the API; empty = no authentication.", secret=True),
+    Spec("auth_open_paths", "/healthz,/readyz,/metrics,/v2/health/live,/v2/health/ready",
+         _text, "comma-separated paths", "Paths served without a token when tokens are set."),
     Spec("log_level", "info", _choice("critical", "error", "warning", "info", "debug"),
          "critical, error, warning, info or debug", "Log level."),
+    Spec("overflow_threshold_ms", "50", _float(0), "a number >= 0",
+         "With Redis: predicted local wait above which formed batches go to peers."),
+    Spec("redis_timeout_ms", "100", _float(1, 10_000), "a number 1-10000",
+         "Longest wait for one Redis command; past it the batch is served locally."),
+    Spec("claim_idle_ms", "2000", _int(10), "an integer >= 10",
+         "A stolen batch pending this long (its thief died) is reclaimed."),
+    Spec("max_attempts", "3", _int(1, 100), "an integer 1-100",
+         "Hand-offs of one batch before it goes to the dead-letter stream."),
+    Spec("heartbeat_ms", "1000", _int(50), "an integer >= 50",
+         "How often this process writes its state to Redis (TTL: 3 beats + 0.5 s)."),
+    Spec("stream_maxlen", "10000", _int(100), "an integer >= 100",
+         "Approximate cap on entries per overflow, reply and dead-letter stream."),
+    Spec("clock_skew_ms", "50", _float(0), "a number >= 0",
+         "Allowed wall-clock difference between hosts when a thief reads a deadline."),
+    Spec("cache_bytes", "0", _int(0), "an integer >= 0",
+         "Response cache: most bytes of answers kept in this process (0 = no cache)."),
+    Spec("cache_models", "*", _names, "* or model names, comma separated",
+         "Models whose answers are cached when VEGA_CACHE_BYTES > 0 (* = every model)."),
+    Spec("cache_redis_ttl_s", "0", _float(0), "a number >= 0",
+         "With VEGA_REDIS_URL: also share cached answers through Redis for this long "
+         "(0 = this process only)."),
+    Spec("cache_nondeterministic", "false", _bool, "true or false",
+         "Cache answers of models that say their outputs are not deterministic."),
+    Spec("idempotency_ttl_s", "600", _float(0), "a number >= 0",
+         "How long the answer to an Idempotency-Key is kept for repeats (0 = header ignored)."),
+    Spec("idempotency_max_keys", "10000", _int(1), "an integer >= 1",
+         "Most Idempotency-Key answers kept in this process (oldest dropped first)."),
+    Spec("fallback_model", "", _text, "empty, sensor-small or another VEGA_MODEL value",
+         "A cheaper model for the same inputs, serving degradable classes under pressure."),
+    Spec("degrade_watermark", "0.25", _float(0, 1), "a number 0-1",
+         "Queue fill of the main model above which degradable requests go to the fallback "
+         "(they also go there whenever the main model would refuse them)."),
+    Spec("degrade_classes", "normal,sheddable", _classes, "classes, comma separated, or empty",
+         "Classes that may be served by the fallback model."),
+    Spec("capacity_sample_s", "1", _float(0.05, 60), "a number 0.05-60",
+         "How often the capacity signal samples load."),
+    Spec("capacity_grow_s", "5", _float(0), "a number >= 0",
+         "Backlog or refusals must last this long before the suggested processes grow."),
+    Spec("capacity_shrink_s", "60", _float(0), "a number >= 0",
+         "The process must be idle this long before the suggested processes shrink."),
+    Spec("capacity_target", "0.75", _float(0.05, 1), "a number 0.05-1",
+         "Executor utilisation the suggested number of processes plans for."),
 )
 
 _BY_ENV = {spec.env: spec for spec in SPECS}
@@ -203,13 +266,36 @@ class Settings:
     max_deadline_ms: float
     deadline_margin_ms: float
     codel_interval_ms: float
+    codel_target_ms: float
     max_body_bytes: int
     max_instances: int
     drain_timeout_s: float
     access_log: bool
     redis_url: str
     node_id: str
+    auth_tokens: str
+    auth_open_paths: str
     log_level: str
+    overflow_threshold_ms: float
+    redis_timeout_ms: float
+    claim_idle_ms: int
+    max_attempts: int
+    heartbeat_ms: int
+    stream_maxlen: int
+    clock_skew_ms: float
+    cache_bytes: int
+    cache_models: tuple[str, ...]
+    cache_redis_ttl_s: float
+    cache_nondeterministic: bool
+    idempotency_ttl_s: float
+    idempotency_max_keys: int
+    fallback_model: str
+    degrade_watermark: float
+    degrade_classes: tuple[str, ...]
+    capacity_sample_s: float
+    capacity_grow_s: float
+    capacity_shrink_s: float
+    capacity_target: float
 
     def __repr__(self) -> str:
         return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.public().items())})"
@@ -219,7 +305,8 @@ class Settings:
         out = dataclasses.asdict(self)
         for spec in SPECS:
             if spec.secret and out[spec.name]:
-                out[spec.name] = mask_url(out[spec.name])
+                value = out[spec.name]
+                out[spec.name] = mask_url(value) if "://" in value else "***"
         return out
 
     def replace(self, **changes: Any) -> Settings:
@@ -302,6 +389,10 @@ def _check_together(s: Settings) -> None:
         raise ConfigError(
             f"VEGA_DEFAULT_DEADLINE_MS={s.default_deadline_ms} is not allowed: expected a "
             f"number <= VEGA_MAX_DEADLINE_MS ({s.max_deadline_ms})")
+    if s.fallback_model and s.fallback_model == s.model:
+        raise ConfigError(
+            f"VEGA_FALLBACK_MODEL={s.fallback_model!r} is not allowed: expected a model "
+            f"other than VEGA_MODEL")
 
 
 def env_file_text() -> str:

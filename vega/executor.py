@@ -39,6 +39,8 @@ class Executor:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vega-exec",
                                         initializer=self._init_thread)
         self._running = 0
+        self.threads = threads
+        self.busy_s = 0.0  # thread time spent in batches so far (utilisation = its rate)
         self._lock = threading.Lock()
 
     def _init_thread(self) -> None:
@@ -69,6 +71,7 @@ class Executor:
             self._running += 1
         outputs: list[Any] | None = None
         error: BaseException | None = None
+        began = time.perf_counter()
         try:
             model = self.models[batch.model]
             started = time.perf_counter()
@@ -81,6 +84,7 @@ class Executor:
         finally:
             with self._lock:
                 self._running -= 1
+                self.busy_s += time.perf_counter() - began
         try:
             loop.call_soon_threadsafe(_resolve, batch, outputs, error, done)
         except RuntimeError:  # the loop closed during shutdown; nobody is waiting

@@ -41,6 +41,41 @@ class Metrics:
         self.redis_up = Gauge("vega_redis_up", "1 while Redis answers, 0 when it does not",
                               registry=r)
         self.ready = Gauge("vega_ready", "1 once warm and not draining", registry=r)
+        self.overflow_events = Counter(
+            "vega_overflow_events_total", "What happened to overflow batches besides a "
+            "plain steal: taken_back, reclaimed, dead_lettered, declined, late_reply, "
+            "malformed, expired", ["event"], registry=r)
+        self.steal_rtt = Gauge("vega_steal_rtt_seconds",
+                               "Measured round trip of a stolen batch, less its model time",
+                               registry=r)
+        self.peers = Gauge("vega_peers", "Live peer processes seen through Redis", registry=r)
+        # Pressure relief (docs/pressure.md): cache, idempotency keys, fallback, capacity.
+        self.cache_hits = Counter("vega_cache_hits_total", "Answers served from the cache",
+                                  ["model", "tier"], registry=r)
+        self.cache_misses = Counter("vega_cache_misses_total",
+                                    "Cache lookups that found nothing", ["model"], registry=r)
+        self.cache_evictions = Counter("vega_cache_evictions_total",
+                                       "Entries dropped from the in-process cache for room",
+                                       ["model"], registry=r)
+        self.cache_bytes = Gauge("vega_cache_bytes", "Bytes held by the in-process cache",
+                                 registry=r)
+        self.idempotent = Counter("vega_idempotent_requests_total",
+                                  "Repeats of an Idempotency-Key: replayed, waited",
+                                  ["model", "event"], registry=r)
+        self.degraded = Counter("vega_degraded_total",
+                                "Requests served by the fallback model instead of the main one",
+                                ["model", "priority"], registry=r)
+        self.queue_age = Gauge("vega_queue_age_seconds", "Age of the oldest queued item",
+                               ["model", "priority"], registry=r)
+        self.utilisation = Gauge("vega_executor_utilisation",
+                                 "Share of executor thread time spent running batches",
+                                 registry=r)
+        self.refusal_rate = Gauge("vega_refusals_per_second",
+                                  "Refusals per second over the last capacity sample",
+                                  ["reason"], registry=r)
+        self.suggested_processes = Gauge(
+            "vega_suggested_processes",
+            "Processes this one suggests for the observed load (with hysteresis)", registry=r)
 
     def observe_batch(self, batch: Batch) -> None:
         """Once per finished batch: sizes, padding, inference and queue waits."""

@@ -17,12 +17,14 @@ from typing import Any
 
 from vega.admission import Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
+from vega.capacity import Capacity, CapacityConfig, Sample, sample_forever
 from vega.config import Settings
-from vega.errors import VegaError
+from vega.errors import REFUSALS, VegaError
 from vega.executor import Executor, pick_device
 from vega.metrics import Metrics
 from vega.models import ModelAdapter, load_model
-from vega.records import PRIORITY_NAMES, Batch, Item
+from vega.models.loader import ModelLoadError
+from vega.records import PRIORITY_BY_NAME, PRIORITY_NAMES, Batch, Item
 from vega.streams import Streams
 
 log = logging.getLogger("vega.runtime")
@@ -37,6 +39,8 @@ class Answer:
     outputs: list[Any]
     queue_s: float
     infer_s: float
+    model: str = ""  # the model that answered: the fallback's name when degraded
+    degraded: bool = False
 
 
 @dataclass
@@ -57,6 +61,12 @@ class Runtime:
         self._adapters = list(adapters) if adapters is not None else [
             load_model(settings.model, settings.model_name)]
         self.default_model = self._adapters[0].name
+        self.fallback_model = self._add_fallback(settings.fallback_model)
+        self._degradable = frozenset(PRIORITY_BY_NAME[c] for c in settings.degrade_classes)
+        self.capacity = Capacity(CapacityConfig(
+            target=settings.capacity_target, grow_after_s=settings.capacity_grow_s,
+            shrink_after_s=settings.capacity_shrink_s))
+        self._capacity_task: asyncio.Task[None] | None = None
         self.device = "cpu"
         self.models: dict[str, Served] = {}
         self.executor = Executor({a.name: a for a in self._adapters},
@@ -100,16 +110,9 @@ class Runtime:
         loop = asyncio.get_running_loop()
         for adapter in self._adapters:
             await self.executor.call(adapter.load, self.device)
-            config = BatcherConfig(
-                model=adapter.name, buckets=_buckets_for(s.length_buckets, adapter.max_length),
-                max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
-                max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
-                standing_after_s=s.codel_interval_ms / 1000)
-            batcher = Batcher(config, self._sink, self.metrics.observe_batch)
-            admission = Admission(AdmissionConfig(
-                queue_capacity=s.queue_capacity, shed_watermark=s.shed_watermark,
-                normal_watermark=s.normal_watermark, rate_limit=s.rate_limit, burst=s.burst,
-                margin_s=s.deadline_margin_ms / 1000), batcher, loop.time())
+            batcher = Batcher(batcher_config(s, adapter.name, adapter.max_length),
+                              self._sink, self.metrics.observe_batch)
+            admission = Admission(admission_config(s), batcher, loop.time())
             served = Served(adapter, batcher, admission)
             await self.executor.call(self._warm_up, served)
             served.task = asyncio.create_task(batcher.run(), name=f"batcher-{adapter.name}")
@@ -120,6 +123,10 @@ class Runtime:
                                    {n: (m.adapter, m.batcher) for n, m in self.models.items()},
                                    self._run_local)
             self.streams.start()
+        self._capacity_task = asyncio.create_task(
+            sample_forever(self.capacity, self._capacity_sample, s.capacity_sample_s),
+            name="capacity")
+        self._capacity_task.add_done_callback(_log_task_end)
 
     def _started(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -137,21 +144,13 @@ class Runtime:
 
     def _warm_up(self, served: Served) -> None:
         """Run each (bucket, size) shape; the timed passes seed the batch-time predictor."""
-        adapter, batcher = served.adapter, served.batcher
-        passes = self.settings.warmup_batches
-        if passes == 0:
-            return
-        sizes = sorted({1, max(1, batcher.config.max_batch_size // 2),
-                        batcher.config.max_batch_size})
-        for bucket, bound in enumerate(batcher.config.buckets):
-            sample = adapter.example(bound)
-            for size in sizes:
-                samples = [sample] * size
-                self.executor.run_sync(adapter.name, samples, bound)  # first pass: untimed
-                for _ in range(passes):
-                    _, seconds = self.executor.run_sync(adapter.name, samples, bound)
-                    batcher.times.observe(bucket, size, seconds)
-                    batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
+        adapter = served.adapter
+
+        def measure(bound: int, size: int) -> float:
+            samples = [adapter.example(bound)] * size
+            return self.executor.run_sync(adapter.name, samples, bound)[1]
+
+        seed_batch_times(served.batcher, self.settings.warmup_batches, measure)
 
     async def drain(self) -> None:
         """Stop admitting (503 draining) and wait for admitted work, bounded by the timeout."""
@@ -171,6 +170,9 @@ class Runtime:
 
     async def stop(self) -> None:
         self.ready = False
+        if self._capacity_task is not None:
+            self._capacity_task.cancel()
+            await asyncio.gather(self._capacity_task, return_exceptions=True)
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()
             await asyncio.gather(self._starting, return_exceptions=True)
@@ -205,13 +207,12 @@ class Runtime:
                     disconnected: Callable[[], Awaitable[None]] | None = None) -> Answer:
         """Admit, queue and await ``instances``; raise VegaError or ClientGone."""
         self.check_open()
-        served = self.served(model)
+        asked = self.served(model)
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadline = now + deadline_ms / 1000
+        served, costs = self._admit(asked, instances, priority, deadline, now)
         batcher = served.batcher
-        buckets = [batcher.bucket_of(_length_hint(instance)) for instance in instances]
-        costs = served.admission.admit(priority, buckets, deadline, now)
         try:
             decoded = [served.adapter.decode(instance) for instance in instances]
         except VegaError:
@@ -227,9 +228,67 @@ class Runtime:
         try:
             for item in items:
                 batcher.enqueue(item)
-            return await _await_items(items, deadline, disconnected)
+            answer = await _await_items(items, deadline, disconnected)
         finally:
             self._closed()
+        answer.model, answer.degraded = served.adapter.name, served is not asked
+        if answer.degraded:
+            self.metrics.degraded.labels(asked.adapter.name, PRIORITY_NAMES[priority]).inc()
+        return answer
+
+    def _admit(self, served: Served, instances: Sequence[Any], priority: int, deadline: float,
+               now: float) -> tuple[Served, list[float]]:
+        """Admit on the main model, or on the fallback for a degradable class under pressure.
+
+        Degradable requests go to the fallback once the main model's queue is past
+        VEGA_DEGRADE_WATERMARK, and whenever the main model would refuse them; one
+        the fallback refuses is still tried on the main model.
+        """
+        fallback = self.fallback_for(served, priority)
+        if fallback is None:
+            return served, self._admit_on(served, instances, priority, deadline, now)
+        order = [served, fallback]
+        if served.batcher.depth() >= self._degrade_depth():
+            order.reverse()
+        try:
+            return order[0], self._admit_on(order[0], instances, priority, deadline, now)
+        except VegaError as error:
+            if error.code not in REFUSALS:
+                raise
+        return order[1], self._admit_on(order[1], instances, priority, deadline, now)
+
+    @staticmethod
+    def _admit_on(served: Served, instances: Sequence[Any], priority: int, deadline: float,
+                  now: float) -> list[float]:
+        buckets = [served.batcher.bucket_of(_length_hint(instance)) for instance in instances]
+        return served.admission.admit(priority, buckets, deadline, now)
+
+    def fallback_for(self, served: Served, priority: int) -> Served | None:
+        """The fallback that may serve ``priority`` requests for ``served``, if any."""
+        if (self.fallback_model is None or served.adapter.name != self.default_model
+                or priority not in self._degradable):
+            return None
+        return self.models.get(self.fallback_model)
+
+    def _degrade_depth(self) -> float:
+        return self.settings.degrade_watermark * self.settings.queue_capacity
+
+    def _add_fallback(self, spec: str) -> str | None:
+        """Load the fallback model (VEGA_FALLBACK_MODEL) beside the main one; its name."""
+        if not spec:
+            return None
+        adapter = load_model(spec)
+        main = self._adapters[0]
+        if adapter.name == main.name:
+            raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: served under the same name "
+                                 f"as the main model ({main.name!r})")
+        if [(t.datatype, t.shape) for t in adapter.inputs] != \
+                [(t.datatype, t.shape) for t in main.inputs]:
+            raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: takes different inputs "
+                                 f"from {main.name!r}")
+        if all(a.name != adapter.name for a in self._adapters):
+            self._adapters.append(adapter)
+        return adapter.name
 
     def _opened(self) -> None:
         self.active_requests += 1
@@ -266,6 +325,13 @@ class Runtime:
         for name, served in self.models.items():
             depths = [served.batcher.depth(p) for p in range(len(PRIORITY_NAMES))]
             self.metrics.set_queue(name, depths, inflight, served.batcher.rate.items_per_s)
+            for priority, age_s in self._queue_ages(served).items():
+                self.metrics.queue_age.labels(name, priority).set(age_s)
+        view = self.capacity
+        self.metrics.utilisation.set(view.utilisation)
+        self.metrics.suggested_processes.set(view.suggested or 1)
+        for reason, rate in view.refusal_rate.items():
+            self.metrics.refusal_rate.labels(reason).set(rate)
 
     def status(self) -> dict[str, Any]:
         models = {}
@@ -277,12 +343,45 @@ class Runtime:
                 "service_rate_items_per_s": round(b.rate.items_per_s, 1),
                 "backlog_ms": round(1000 * b.backlog_s(), 2),
                 "standing_queue": b.standing(asyncio.get_running_loop().time()),
+                "queue_age_ms": {p: round(1000 * age, 1)
+                                 for p, age in self._queue_ages(served).items()},
             }
         return {"node": self.node_id, "ready": self.ready, "draining": self.draining,
                 "device": self.device, "active_requests": self.active_requests,
                 "models": models, "outcomes": self._outcomes(),
                 "redis_up": self.streams is not None and self.streams.up,
-                "peers": self.streams.peers if self.streams is not None else []}
+                "peers": self.streams.peers if self.streams is not None else [],
+                "fallback_model": self.fallback_model, "capacity": self.capacity.view()}
+
+    def _queue_ages(self, served: Served) -> dict[str, float]:
+        now = asyncio.get_running_loop().time()
+        ages = {}
+        for index, name in enumerate(PRIORITY_NAMES):
+            oldest = served.batcher.oldest(index)
+            ages[name] = 0.0 if oldest is None else max(0.0, now - oldest)
+        return ages
+
+    def _capacity_sample(self) -> Sample:
+        """The runtime's values as the capacity signal reads them."""
+        depth = dict.fromkeys(PRIORITY_NAMES, 0)
+        ages = dict.fromkeys(PRIORITY_NAMES, 0.0)
+        for served in self.models.values():
+            for name, age in self._queue_ages(served).items():
+                depth[name] += served.batcher.depth(PRIORITY_BY_NAME[name])
+                ages[name] = max(ages[name], age)
+        main = self.models[self.default_model].batcher
+        refusals: dict[str, float] = {}
+        for metric in self.metrics.rejections.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    reason = sample.labels["reason"]
+                    refusals[reason] = refusals.get(reason, 0.0) + sample.value
+        peers = len(self.streams.peers) if self.streams is not None and self.streams.up else 0
+        return Sample(at=asyncio.get_running_loop().time(), busy_s=self.executor.busy_s,
+                      threads=self.executor.threads, depth=depth, oldest_age_s=ages,
+                      refusals=refusals,
+                      item_s=main.times.per_item_s(0, main.config.max_batch_size),
+                      processes=1 + peers)
 
     def _outcomes(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -339,6 +438,41 @@ def _length_hint(instance: Any) -> int:
         return max(1, len(instance))
     except TypeError:
         return 1
+
+
+def batcher_config(s: Settings, model: str, max_length: int) -> BatcherConfig:
+    """A model's batcher as the settings describe it (the simulator builds the same)."""
+    return BatcherConfig(
+        model=model, buckets=_buckets_for(s.length_buckets, max_length),
+        max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
+        max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
+        standing_after_s=s.codel_interval_ms / 1000)
+
+
+def admission_config(s: Settings) -> AdmissionConfig:
+    return AdmissionConfig(
+        queue_capacity=s.queue_capacity, shed_watermark=s.shed_watermark,
+        normal_watermark=s.normal_watermark, rate_limit=s.rate_limit, burst=s.burst,
+        margin_s=s.deadline_margin_ms / 1000, standing_target_s=s.codel_target_ms / 1000)
+
+
+def seed_batch_times(batcher: Batcher, passes: int,
+                     measure: Callable[[int, int], float]) -> None:
+    """Warm-up: time every (bucket, size in {1, half, max}) shape ``passes`` times.
+
+    ``measure(bound, size)`` runs one batch and returns its seconds; its first call per
+    shape is untimed (lazy initialisation), the others seed the predictor and the rate.
+    """
+    if passes == 0:
+        return
+    top = batcher.config.max_batch_size
+    for bucket, bound in enumerate(batcher.config.buckets):
+        for size in sorted({1, max(1, top // 2), top}):
+            measure(bound, size)
+            for _ in range(passes):
+                seconds = measure(bound, size)
+                batcher.times.observe(bucket, size, seconds)
+                batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
 
 
 def _buckets_for(bounds: tuple[int, ...], max_length: int) -> tuple[int, ...]:

@@ -12,20 +12,26 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive
 
+from vega.cache import ResponseCache, cache_key, models_to_cache
 from vega.config import Settings
 from vega.errors import REFUSALS, VegaError
+from vega.idempotency import Idempotency, Reply, fingerprint
+from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from vega.models import ModelAdapter
-from vega.records import NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
+from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
 from vega.runtime import ClientGone, Runtime
+from vega.sideredis import SideRedis
 
 log = logging.getLogger("vega.server")
 
@@ -122,37 +128,128 @@ def disconnect_watch(receive: Receive) -> Callable[[], Awaitable[None]]:
     return watch
 
 
+@dataclass(frozen=True)
+class Call:
+    """One parsed /v1 inference request."""
+
+    request: Request
+    model: str
+    instances: list[Any]
+    single: bool
+    priority: int
+    deadline_ms: float
+
+
 class Api:
     """The /v1 routes over one runtime; counts every answer by outcome."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.settings = runtime.settings
+        self.settings = s = runtime.settings
+        metrics = runtime.metrics
+        # Pressure relief (docs/pressure.md): one Redis client for the shared tiers.
+        shared = s.redis_url and (s.idempotency_ttl_s > 0 or s.cache_redis_ttl_s > 0)
+        self.side = SideRedis(s.redis_url, s.redis_timeout_ms / 1000) if shared else None
+        cached = models_to_cache(s, runtime.executor.models)
+        self.cache = ResponseCache(s.cache_bytes, cached, metrics, self.side,
+                                   s.cache_redis_ttl_s) if cached else None
+        self.idempotency = Idempotency(s.idempotency_ttl_s, s.idempotency_max_keys, metrics,
+                                       self.side)
+
+    async def close(self) -> None:
+        if self.cache is not None:
+            await self.cache.close()
+        if self.side is not None:
+            await self.side.close()
 
     async def infer(self, request: Request) -> Response:
         runtime = self.runtime
-        started = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         name = request.path_params.get("name") or runtime.default_model
         priority = NORMAL
         try:
             runtime.check_open()
-            runtime.served(name)
+            # Refuse before reading the body when even the most favoured class this
+            # request can claim would not get in: a flood of refusals stays cheap.
+            hinted = request.headers.get("x-vega-priority")
+            claimed = PRIORITY_BY_NAME.get(hinted.strip().lower(), CRITICAL) if hinted else CRITICAL
+            served = runtime.served(name)
+            if runtime.fallback_for(served, claimed) is None:  # else the fallback may take it
+                served.admission.precheck(claimed)
             body = await read_body(request, self.settings.max_body_bytes)
-            instances, single, priority, deadline_ms = parse_infer_body(
-                parse_json(body), request, self.settings)
-            answer = await runtime.infer(name, instances, priority, deadline_ms,
-                                         disconnect_watch(request.receive))
+            doc = parse_json(body)
+            instances, single, priority, deadline_ms = parse_infer_body(doc, request, self.settings)
+            call = Call(request, name, instances, single, priority, deadline_ms)
+            key = self.idempotency.key_of(request.headers.get("idempotency-key"))
+            if key is None:
+                reply = await self.answer(call)
+            else:
+                reply = await self.answer_once(call, key, fingerprint(doc))
         except VegaError as error:
-            self.count(name, priority, error.code)
-            return error_response(error)
+            reply = self.refusal(request, error)
+        self.count(name, priority, reply.outcome,
+                   loop.time() - started if reply.outcome == "ok" else None)
+        return Response(reply.body, reply.status, headers=reply.headers,
+                        media_type=JSON if reply.body else None)
+
+    async def answer(self, call: Call) -> Reply:
+        """Run ``call`` through the cache and the runtime; every outcome as a Reply."""
+        cache = self.cache if self.cache is not None and self.cache.covers(call.model) else None
+        control = {part.strip() for part in
+                   call.request.headers.get("cache-control", "").lower().split(",")}
+        key = None
+        if cache is not None and "no-store" not in control:
+            version = self.runtime.models[call.model].adapter.version
+            key = cache_key(call.model, version, call.single, call.instances)
+            if "no-cache" not in control:
+                cached = await cache.get(call.model, key)
+                if cached is not None:
+                    return Reply(200, cached, {"X-Vega-Cache": "hit"}, "ok")
+        try:
+            answer = await self.runtime.infer(call.model, call.instances, call.priority,
+                                              call.deadline_ms,
+                                              disconnect_watch(call.request.receive))
+        except VegaError as error:
+            return self.refusal(call.request, error)
         except ClientGone:
-            self.count(name, priority, "disconnected")
-            return Response(status_code=499)
-        self.count(name, priority, "ok", asyncio.get_running_loop().time() - started)
-        outputs = answer.outputs[0] if single else answer.outputs
-        timing = f"queue;dur={1000 * answer.queue_s:.2f}, infer;dur={1000 * answer.infer_s:.2f}"
-        return json_response({"model": name, "outputs": outputs},
-                             headers={"Server-Timing": timing})
+            return Reply(499, b"", {}, "disconnected")
+        outputs = answer.outputs[0] if call.single else answer.outputs
+        body = orjson.dumps({"model": answer.model or call.model, "outputs": outputs},
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+        headers = {"Server-Timing": f"queue;dur={1000 * answer.queue_s:.2f}, "
+                                    f"infer;dur={1000 * answer.infer_s:.2f}"}
+        if answer.degraded:
+            headers["X-Vega-Degraded"] = "1"  # not cached: the main model would answer otherwise
+        elif cache is not None and key is not None:
+            cache.put(call.model, key, body)
+        if cache is not None:
+            headers["X-Vega-Cache"] = "miss" if "no-cache" not in control else "bypass"
+        return Reply(200, body, headers, "ok")
+
+    async def answer_once(self, call: Call, key: str, body_print: str) -> Reply:
+        """As ``answer``, but a repeat of ``key`` gets the first attempt's reply."""
+        deadline = asyncio.get_running_loop().time() + call.deadline_ms / 1000
+        claim = await self.idempotency.claim(call.model, key, body_print, deadline)
+        if claim.replay is not None:
+            first = claim.replay
+            return Reply(first.status, first.body,
+                         first.headers | {"Idempotent-Replayed": "true"}, first.outcome)
+        reply: Reply | None = None
+        try:
+            reply = await self.answer(call)
+        finally:
+            kept = None if reply is None else Reply(
+                reply.status, reply.body,
+                {k: v for k, v in reply.headers.items() if k != "Server-Timing"}, reply.outcome)
+            await self.idempotency.finish(claim, kept)
+        return reply
+
+    def refusal(self, request: Request, error: VegaError) -> Reply:
+        if error.status >= 500:
+            log.warning("request %s: %s %s", request.scope.get("vega.request_id"),
+                        error.code, error.message)
+        return Reply(error.status, orjson.dumps(error.body()), error.headers(), error.code)
 
     def count(self, model: str, priority: int, outcome: str, seconds: float | None = None) -> None:
         metrics = self.runtime.metrics
@@ -211,6 +308,7 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
             yield
         finally:
             await runtime.stop()
+            await api.close()
 
     routes = [
         Route("/v1/infer", api.infer, methods=["POST"]),
@@ -224,6 +322,10 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
     from vega.oip import oip_routes  # here, not at the top: vega.oip builds on this module
 
     routes += oip_routes(api)
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[
+        Middleware(RequestIdMiddleware),
+        Middleware(BearerAuthMiddleware, tokens=settings.auth_tokens.split(","),
+                   open_paths=[p.strip() for p in settings.auth_open_paths.split(",")]),
+    ])
     app.state.runtime = runtime
     return app

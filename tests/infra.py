@@ -1,0 +1,121 @@
+"""Fixtures that start the real programs: ``redis-server`` and ``nginx``, on free ports.
+
+Registered through ``pytest_plugins`` in conftest.py. Each program runs under
+tmp_path, is polled until it answers, and is stopped (and waited for) afterwards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.servers import free_port, wait_until
+from vega.cluster import render_nginx
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """A ``redis-server`` without persistence on a free port; ``stop``/``start`` keep the port."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: _answers(self.port), 10, "redis-server")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # as a crash would: no goodbye to the clients
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed (scripts/system-deps)")
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+class Nginx:
+    """Nginx with the repository's nginx.conf rendered for the given upstreams."""
+
+    def __init__(self, upstreams: Sequence[str], workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workdir = workdir
+        self.conf = workdir / "nginx.conf"
+        self.conf.write_text(render_nginx(upstreams, f"127.0.0.1:{self.port}", workdir))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def check(self) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["nginx", "-t", "-p", str(self.workdir), "-e",
+                               str(self.workdir / "nginx-error.log"), "-c", str(self.conf)],
+                              capture_output=True, text=True, check=False)
+
+    def start(self) -> Nginx:
+        self.proc = subprocess.Popen(
+            ["nginx", "-p", str(self.workdir), "-e", str(self.workdir / "nginx-error.log"),
+             "-c", str(self.conf), "-g", "daemon off;"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def listening() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return True
+            except OSError:
+                assert self.proc is not None and self.proc.poll() is None, "nginx exited"
+                return False
+        wait_until(listening, 10, "nginx")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def nginx(tmp_path: Path) -> Iterator[Callable[[Sequence[str]], Nginx]]:
+    """Factory: ``nginx(["127.0.0.1:8001", "unix:/path.sock"])`` starts one in front of them."""
+    if shutil.which("nginx") is None:
+        pytest.skip("nginx not installed (scripts/system-deps)")
+    started: list[Nginx] = []
+
+    def start(upstreams: Sequence[str]) -> Nginx:
+        workdir = tmp_path / f"nginx-{len(started)}"
+        workdir.mkdir()
+        proxy = Nginx(upstreams, workdir)
+        started.append(proxy)
+        return proxy.start()
+
+    yield start
+    for proxy in started:
+        proxy.stop()

@@ -1,0 +1,116 @@
+"""Response cache: the byte-bounded LRU, keys, and hits against real servers (and Redis)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import redis
+
+from tests.infra import RedisServer
+from tests.models import forwarded, window
+from tests.servers import VegaProcess, wait_until
+from vega.cache import ENTRY_OVERHEAD, LruBytes, cache_key, models_to_cache
+from vega.config import load_settings
+
+ECHO = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_LENGTH_BUCKETS": "16",
+        "VEGA_CACHE_BYTES": "1000000"}
+
+
+def test_lru_stays_within_its_byte_bound_and_evicts_least_recent() -> None:
+    lru = LruBytes(max_bytes=10 * (ENTRY_OVERHEAD + 2 + 100))
+    for i in range(10):
+        lru.put(f"k{i}", bytes(100))
+    assert len(lru) == 10 and lru.size == lru.max_bytes
+    assert lru.get("k0") is not None  # k0 is now the most recent
+    assert lru.put("kA", bytes(100)) == 1
+    assert "k1" not in lru and "k0" in lru and "kA" in lru
+    assert lru.put("kB", bytes(350)) == 3  # a larger entry pushes out as many as it needs
+    assert lru.size <= lru.max_bytes and lru.evictions == 4
+    assert lru.put("huge", bytes(lru.max_bytes)) == 0 and "huge" not in lru
+    lru.put("kB", bytes(10))  # replacing an entry frees its old size
+    assert lru.size <= lru.max_bytes
+    assert lru.size == sum(LruBytes.cost(k, v) for k, v in lru._entries.items())
+
+
+def test_keys_are_canonical_and_separate_models_versions_and_shapes() -> None:
+    a = cache_key("m", "1", False, [{"x": 1, "y": [1.5, 2]}])
+    assert a == cache_key("m", "1", False, [{"y": [1.5, 2], "x": 1}])
+    assert a.startswith("vega:{m}:cache:")
+    others = {cache_key("m", "2", False, [{"x": 1, "y": [1.5, 2]}]),
+              cache_key("n", "1", False, [{"x": 1, "y": [1.5, 2]}]),
+              cache_key("m", "1", True, [{"x": 1, "y": [1.5, 2]}]),
+              cache_key("m", "1", False, [{"x": 2, "y": [1.5, 2]}])}
+    assert a not in others and len(others) == 4
+
+
+class _Fake:
+    def __init__(self, deterministic: bool) -> None:
+        self.deterministic = deterministic
+
+
+def test_nondeterministic_models_are_cached_only_when_the_operator_says_so() -> None:
+    adapters: dict[str, Any] = {"det": _Fake(True), "random": _Fake(False)}
+    on = load_settings(environ={"VEGA_CACHE_BYTES": "1000"})
+    assert models_to_cache(on, adapters) == ["det"]
+    forced = load_settings(environ={"VEGA_CACHE_BYTES": "1000",
+                                    "VEGA_CACHE_NONDETERMINISTIC": "true"})
+    assert models_to_cache(forced, adapters) == ["det", "random"]
+    some = load_settings(environ={"VEGA_CACHE_BYTES": "1000", "VEGA_CACHE_MODELS": "random",
+                                  "VEGA_CACHE_NONDETERMINISTIC": "1"})
+    assert models_to_cache(some, adapters) == ["random"]
+    assert models_to_cache(load_settings(environ={}), adapters) == []
+
+
+def test_a_hit_skips_the_model_and_returns_the_same_bytes(
+        vega: Callable[..., VegaProcess], tmp_path: Path) -> None:
+    log = str(tmp_path / "forwards")
+    server = vega(**ECHO, TEST_FORWARD_LOG=log)
+    base = forwarded(log)  # the warm-up's passes
+    body = orjson.dumps({"inputs": window(8, 0.25)})
+    first = httpx.post(server.url + "/v1/infer", content=body)
+    assert first.status_code == 200 and first.headers["x-vega-cache"] == "miss"
+    assert forwarded(log) == base + 1
+    again = httpx.post(server.url + "/v1/infer", content=orjson.dumps(
+        {"inputs": window(8, 0.25), "priority": "sheddable"}))  # class is not in the key
+    assert again.status_code == 200 and again.headers["x-vega-cache"] == "hit"
+    assert again.content == first.content
+    assert forwarded(log) == base + 1
+
+    fresh = httpx.post(server.url + "/v1/infer", content=body,
+                       headers={"Cache-Control": "no-cache"})
+    assert fresh.headers["x-vega-cache"] == "bypass" and fresh.content == first.content
+    assert forwarded(log) == base + 2
+    other = httpx.post(server.url + "/v1/infer", content=orjson.dumps(
+        {"instances": [window(8, 0.25)]}))  # the list form answers a list: its own entry
+    assert other.headers["x-vega-cache"] == "miss"
+    assert forwarded(log) == base + 3
+
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'vega_cache_hits_total{model="echo",tier="local"} 1.0' in metrics
+    assert 'vega_cache_misses_total{model="echo"} 2.0' in metrics
+
+
+def test_the_redis_tier_shares_hits_between_processes(
+        vega: Callable[..., VegaProcess], redis_server: RedisServer, tmp_path: Path) -> None:
+    logs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    shared = {**ECHO, "VEGA_REDIS_URL": redis_server.url, "VEGA_CACHE_REDIS_TTL_S": "60"}
+    a, b = (vega(**shared, TEST_FORWARD_LOG=log) for log in logs)
+    base = [forwarded(log) for log in logs]
+    body = orjson.dumps({"inputs": window(4, 0.75)})
+    first = httpx.post(a.url + "/v1/infer", content=body)
+    assert first.headers["x-vega-cache"] == "miss"
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        wait_until(lambda: client.keys("vega:{echo}:cache:*"), 5, "the cache entry in Redis")
+        ttl = client.pttl(client.keys("vega:{echo}:cache:*")[0])
+        assert isinstance(ttl, int) and 0 < ttl <= 60_000
+    finally:
+        client.close()
+    second = httpx.post(b.url + "/v1/infer", content=body)
+    assert second.headers["x-vega-cache"] == "hit" and second.content == first.content
+    assert [forwarded(log) for log in logs] == [base[0] + 1, base[1]]
+    assert 'tier="redis"} 1.0' in httpx.get(b.url + "/metrics").text

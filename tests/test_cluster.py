@@ -1,0 +1,221 @@
+"""Several real Vega processes sharing overflow through a real Redis, and Nginx in front."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from tests.infra import Nginx, RedisServer
+from tests.models import FAIL_MARK, window
+from tests.servers import VegaProcess, wait_until
+
+CLUSTER_ENV = {
+    "VEGA_MODEL": "python:tests.models:echo", "VEGA_MAX_BATCH_SIZE": "4",
+    "VEGA_MAX_WAIT_MS": "2", "VEGA_LENGTH_BUCKETS": "16", "VEGA_HEARTBEAT_MS": "100",
+    "VEGA_CLAIM_IDLE_MS": "1000", "VEGA_OVERFLOW_THRESHOLD_MS": "20",
+}
+# What a request may get besides its answer when Redis dies under it (DESIGN.md table).
+EXPLICIT = {"deadline_exceeded", "model_error"}
+
+
+def metric(proc: VegaProcess, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(proc.url + "/metrics", timeout=5).text.splitlines():
+        match = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
+        if match is None or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(3))
+    return total
+
+
+def peers_of(proc: VegaProcess) -> list[str]:
+    status = httpx.get(proc.url + "/v1/status", timeout=5).json()
+    return [peer["node"] for peer in status["peers"]]
+
+
+async def send(url: str, values: Sequence[float], concurrency: int = 32,
+               deadline_ms: int = 20000) -> list[httpx.Response]:
+    """One critical request per value (critical: never shed), ``concurrency`` at a time."""
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def one(value: float) -> httpx.Response:
+            async with gate:
+                return await client.post(url + "/v1/infer", json={
+                    "inputs": window(2, value), "priority": "critical",
+                    "deadline_ms": deadline_ms})
+        return list(await asyncio.gather(*(one(v) for v in values)))
+
+
+def outcomes(responses: Sequence[httpx.Response]) -> Counter[str]:
+    return Counter("ok" if r.status_code == 200 else r.json()["error"]["code"]
+                   for r in responses)
+
+
+def check_outputs(values: Sequence[float], responses: Sequence[httpx.Response]) -> None:
+    """The echo model's sum and length, whichever process ran the batch."""
+    for value, response in zip(values, responses):
+        if response.status_code == 200:
+            total, length, _batch_size = response.json()["outputs"]
+            assert total == pytest.approx(value * 16) and length == 2
+
+
+@pytest.fixture(scope="module")
+def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(shared_redis: RedisServer, vega_module: Callable[..., VegaProcess]
+         ) -> tuple[VegaProcess, VegaProcess]:
+    """A and B, both slow (40 ms a batch): A alone cannot keep up with what it is sent."""
+    env = {**CLUSTER_ENV, "VEGA_REDIS_URL": shared_redis.url, "TEST_SLEEP_MS": "40"}
+    a = vega_module(VEGA_NODE_ID="A", **env)
+    b = vega_module(VEGA_NODE_ID="B", **env)
+    wait_until(lambda: peers_of(a) == ["B"] and peers_of(b) == ["A"], 10, "heartbeats")
+    return a, b
+
+
+async def test_skewed_load_overflows_to_the_idle_peer(pair: tuple[VegaProcess, VegaProcess]
+                                                      ) -> None:
+    a, b = pair
+    before = metric(a, "vega_requests_total")
+    values = [float(i) for i in range(160)]
+    responses = await send(a.url, values, concurrency=40)
+    assert outcomes(responses) == Counter(ok=160)
+    check_outputs(values, responses)
+    assert metric(b, "vega_overflow_batches_total", direction="in") > 0
+    assert metric(a, "vega_overflow_batches_total", direction="out") > 0
+    assert metric(a, "vega_requests_total") - before == 160  # each answered exactly once
+    assert metric(b, "vega_requests_total") == 0  # B answered A's callers through A
+
+
+async def test_malformed_entries_go_to_dead_letter_and_the_reader_lives(
+        pair: tuple[VegaProcess, VegaProcess], shared_redis: RedisServer) -> None:
+    a, b = pair
+    stream, dlq = "vega:{echo}:overflow", "vega:{echo}:dlq"
+    hostile: list[dict[Any, Any]] = [
+        {"junk": "1"},
+        {"v": "1", "meta": "{not json", "data": ""},
+        {"v": "1", "meta": b"\x80\x04\x95pickle", "data": ""},
+        {"v": "1", "meta": '{"origin":"A","batch":"x","model":"echo","deadline_ms":1,'
+                           '"sent_ms":1,"attempt":1,"pad_to":2,"lengths":[2],'
+                           '"arrays":[{"dtype":"object","shape":[2,8]}]}', "data": "x"},
+        {"v": "1", "meta": '{"origin":"A","batch":"x","model":"echo","deadline_ms":'
+                           '99999999999999,"sent_ms":1,"attempt":1,"pad_to":2,"lengths":[2],'
+                           '"arrays":[{"dtype":"float32","shape":[2,3]}]}', "data": "x" * 24},
+    ]
+    client = redis.Redis.from_url(shared_redis.url)
+    start = client.xlen(dlq)
+    for fields in hostile:
+        client.xadd(stream, fields)
+    wait_until(lambda: client.xlen(dlq) - start == len(hostile), 10, "dead letters")
+    entries: Any = client.xrange(dlq)
+    assert all(fields[b"reason"].startswith(b"malformed") for _, fields in entries[start:])
+    assert client.xlen(stream) == 0 and client.xpending(stream, "workers")["pending"] == 0
+    client.close()
+    # The readers are alive: skewed load still overflows.
+    stolen = metric(b, "vega_overflow_batches_total", direction="in")
+    assert outcomes(await send(a.url, [1.0] * 80, concurrency=40)) == Counter(ok=80)
+    assert metric(b, "vega_overflow_batches_total", direction="in") > stolen
+
+
+async def test_a_killed_thief_s_batch_is_reclaimed_and_answered(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
+    env = {**CLUSTER_ENV, "VEGA_REDIS_URL": redis_server.url}
+    # A runs batches in 300 ms, and a marked one in 3.3 s; B hangs on a marked batch.
+    a = vega(VEGA_NODE_ID="A", TEST_SLEEP_MS="300", TEST_HANG_MS="3000", **env)
+    b = vega(VEGA_NODE_ID="B", TEST_HANG_MS="60000", **env)
+    wait_until(lambda: peers_of(a) == ["B"], 10, "heartbeats")
+    marked = window(2, 0.5)
+    marked[0][0] = -FAIL_MARK
+    async with httpx.AsyncClient(timeout=60) as client:
+        # A marked filler keeps A's executor busy (so A cannot take the next batch back
+        # from the stream itself); the marked request sent meanwhile is handed to B
+        # (A's predicted wait is long), which hangs on it.
+        first = asyncio.ensure_future(send(a.url, [-FAIL_MARK]))
+        await asyncio.to_thread(wait_until, lambda: httpx.get(a.url + "/v1/status").json()[
+            "models"]["echo"]["inflight_batches"] > 0, 10, "A to be busy")
+        hung = asyncio.ensure_future(client.post(a.url + "/v1/infer", json={
+            "inputs": marked, "priority": "critical", "deadline_ms": 15000}))
+        held: Any = redis.Redis.from_url(redis_server.url)
+        await asyncio.to_thread(wait_until, lambda: held.xpending_range(
+            "vega:{echo}:overflow", "workers", "-", "+", 10, "B"), 10, "B to hold the batch")
+        held.close()
+        assert outcomes(await first) == Counter(ok=1) and not hung.done()
+        assert b.proc is not None
+        b.proc.send_signal(signal.SIGKILL)
+        b.proc.wait()
+        answer = await hung
+    assert answer.status_code == 200
+    assert answer.json()["outputs"][0] == pytest.approx(-FAIL_MARK + 0.5 * 15)
+    assert metric(a, "vega_overflow_events_total", event="reclaimed") == 1
+    assert metric(a, "vega_requests_total") == 2
+
+
+async def test_redis_away_serves_locally_and_overflow_resumes(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
+    env = {**CLUSTER_ENV, "VEGA_REDIS_URL": redis_server.url, "TEST_SLEEP_MS": "40"}
+    a = vega(VEGA_NODE_ID="A", **env)
+    b = vega(VEGA_NODE_ID="B", **env)
+    wait_until(lambda: peers_of(a) == ["B"], 10, "heartbeats")
+    values = [float(i % 50) for i in range(240)]
+    load = asyncio.ensure_future(send(a.url, values, concurrency=40, deadline_ms=5000))
+    await asyncio.to_thread(wait_until, lambda: metric(
+        a, "vega_overflow_batches_total", direction="out") > 0, 10, "overflow")
+    redis_server.stop()
+    responses = await load
+    counts = outcomes(responses)
+    assert counts["ok"] > 0 and set(counts) <= {"ok"} | EXPLICIT, counts
+    check_outputs(values, responses)
+    assert metric(a, "vega_redis_up") == 0
+    assert metric(a, "vega_requests_total") == 240
+
+    redis_server.start()
+    await asyncio.to_thread(wait_until, lambda: metric(a, "vega_redis_up") == 1 and
+                            metric(b, "vega_redis_up") == 1 and peers_of(a) == ["B"], 15,
+                            "reconnect")
+    stolen = metric(b, "vega_overflow_batches_total", direction="in")
+    assert outcomes(await send(a.url, values[:120], concurrency=40)) == Counter(ok=120)
+    assert metric(b, "vega_overflow_batches_total", direction="in") > stolen
+
+
+def test_rendered_nginx_conf_is_valid(tmp_path: Path) -> None:
+    proxy = Nginx(["127.0.0.1:1", "unix:/tmp/vega-x.sock"], tmp_path)
+    result = proxy.check()
+    assert result.returncode == 0, result.stderr
+    text = proxy.conf.read_text()
+    assert "least_conn;" in text and "zone vega" in text and "keepalive 128;" in text
+    assert "proxy_next_upstream error http_503 non_idempotent;" in text
+    assert "http_429" not in text and "http_504" not in text
+
+
+async def test_nginx_spreads_requests_and_passes_429_through(
+        vega: Callable[..., VegaProcess], nginx: Callable[[Sequence[str]], Nginx]) -> None:
+    env = {**CLUSTER_ENV, "VEGA_RATE_LIMIT": "1", "VEGA_BURST": "3"}
+    procs = [vega(**env), vega(**env)]
+    proxy = nginx([f"127.0.0.1:{p.port}" for p in procs])
+    async with httpx.AsyncClient(timeout=30) as client:
+        responses = [await client.post(proxy.url + "/v1/infer", json={"inputs": window(2)})
+                     for _ in range(12)]
+    codes = Counter(r.status_code for r in responses)
+    assert set(codes) == {200, 429} and codes[200] >= 4, codes
+    for refused in (r for r in responses if r.status_code == 429):
+        assert refused.json()["error"]["code"] == "rate_limited"
+        assert int(refused.headers["retry-after"]) >= 1
+    for proc in procs:
+        assert metric(proc, "vega_requests_total", outcome="ok") >= 1
+    assert sum(metric(p, "vega_requests_total") for p in procs) == 12  # nothing retried

@@ -1,0 +1,78 @@
+"""The fallback model: under a backlog, degradable classes get its answers; critical does not."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+import orjson
+
+from tests.models import window
+from tests.servers import VegaProcess, wait_until
+
+SLOW = {"VEGA_MODEL": "python:tests.models:echo", "TEST_SLEEP_MS": "300",
+        "VEGA_MAX_BATCH_SIZE": "1", "VEGA_MAX_INFLIGHT_BATCHES": "1", "VEGA_LENGTH_BUCKETS": "16", "VEGA_QUEUE_CAPACITY": "20",
+        "VEGA_DEFAULT_DEADLINE_MS": "20000", "VEGA_CODEL_INTERVAL_MS": "20000"}
+
+
+def body(priority: str) -> bytes:
+    return orjson.dumps({"inputs": window(8), "priority": priority})
+
+
+async def send(client: httpx.AsyncClient, url: str, priorities: list[str]
+               ) -> list[httpx.Response]:
+    return list(await asyncio.gather(*(client.post(url + "/v1/infer", content=body(p))
+                                       for p in priorities)))
+
+
+def queued(url: str) -> int:
+    depth = httpx.get(url + "/v1/status").json()["models"]["echo"]["depth"]
+    return int(sum(depth.values()))
+
+
+async def test_under_a_backlog_degradable_classes_get_the_fallback(
+        vega: Callable[..., VegaProcess]) -> None:
+    server = vega(**SLOW, VEGA_FALLBACK_MODEL="python:tests.models:echo_fast",
+                  VEGA_DEGRADE_WATERMARK="0.1")  # 2 of 20 queued
+    async with httpx.AsyncClient(timeout=30) as client:
+        status = (await client.get(server.url + "/v1/status")).json()
+        assert status["fallback_model"] == "echo_fast"
+        # Critical work is never degraded: it builds the backlog on the main model.
+        backlog = asyncio.ensure_future(send(client, server.url, ["critical"] * 5))
+        await asyncio.to_thread(wait_until, lambda: queued(server.url) >= 3, 10, "a backlog")
+        measured = await send(client, server.url, ["normal"] * 3 + ["sheddable"] * 3
+                              + ["critical"] * 2)
+        first = await backlog
+        metrics = (await client.get(server.url + "/metrics")).text
+    assert [r.status_code for r in first + measured] == [200] * 13, [
+        r.text for r in first + measured]
+    assert all(r.json()["model"] == "echo" for r in first)
+    for r in measured[:6]:
+        assert r.json()["model"] == "echo_fast" and r.headers["x-vega-degraded"] == "1"
+        assert r.json()["outputs"][1] == 8.0  # the same inputs, answered by the fallback
+    for r in measured[6:]:
+        assert r.json()["model"] == "echo" and "x-vega-degraded" not in r.headers
+    assert 'vega_degraded_total{model="echo",priority="sheddable"} 3.0' in metrics
+    assert 'vega_degraded_total{model="echo",priority="critical"}' not in metrics
+
+
+async def test_requests_the_main_model_would_refuse_go_to_the_fallback(
+        vega: Callable[..., VegaProcess]) -> None:
+    common = {**SLOW, "VEGA_QUEUE_CAPACITY": "8", "VEGA_SHED_WATERMARK": "0.25",
+              "VEGA_NORMAL_WATERMARK": "0.5"}
+    plain = vega(**common)
+    degrading = vega(**common, VEGA_FALLBACK_MODEL="python:tests.models:echo_fast",
+                     VEGA_DEGRADE_WATERMARK="1", VEGA_DEGRADE_CLASSES="sheddable")
+    async with httpx.AsyncClient(timeout=30) as client:
+        without, with_fallback = await asyncio.gather(
+            send(client, plain.url, ["sheddable"] * 10),
+            send(client, degrading.url, ["sheddable"] * 10))
+        normal = await send(client, degrading.url, ["normal"] * 6)  # not a degradable class
+    refused = sum(r.status_code == 429 for r in without)
+    assert refused >= 6
+    # The fallback has its own (same-sized) queue, but it empties far faster.
+    assert sum(r.status_code == 429 for r in with_fallback) < refused
+    assert sum(r.status_code == 200 and r.json()["model"] == "echo_fast"
+               for r in with_fallback) >= 2
+    assert all(r.status_code == 429 or r.json()["model"] == "echo" for r in normal)

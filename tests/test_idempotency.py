@@ -1,0 +1,120 @@
+"""Idempotency keys: replays, single-flight, conflicts, refusals; in one process and across two."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tests.infra import RedisServer
+from tests.models import forwarded, window
+from tests.servers import VegaProcess
+from vega.errors import VegaError
+from vega.idempotency import Idempotency, Reply, fingerprint
+from vega.metrics import Metrics
+
+ECHO = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_LENGTH_BUCKETS": "16"}
+OK = Reply(200, b'{"outputs":[1]}', {}, "ok")
+
+
+async def test_a_second_claim_replays_and_a_concurrent_one_waits() -> None:
+    store = Idempotency(ttl_s=60, max_keys=10, metrics=Metrics())
+    deadline = asyncio.get_running_loop().time() + 5
+    first = await store.claim("m", "k1", "fp", deadline)
+    assert first.replay is None
+    waiter = asyncio.ensure_future(store.claim("m", "k1", "fp", deadline))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # single-flight: it waits for the first attempt
+    await store.finish(first, OK)
+    assert (await waiter).replay == OK
+    assert (await store.claim("m", "k1", "fp", deadline)).replay == OK
+    assert (await store.claim("other-model", "k1", "fp", deadline)).replay is None
+
+
+async def test_a_different_body_conflicts_and_a_refusal_is_forgotten() -> None:
+    store = Idempotency(ttl_s=60, max_keys=10, metrics=Metrics())
+    deadline = asyncio.get_running_loop().time() + 5
+    claim = await store.claim("m", "k", fingerprint({"inputs": [1]}), deadline)
+    with pytest.raises(VegaError) as conflict:
+        await store.claim("m", "k", fingerprint({"inputs": [2]}), deadline)
+    assert conflict.value.code == "invalid_input"
+    waiter = asyncio.ensure_future(store.claim("m", "k", fingerprint({"inputs": [1]}), deadline))
+    await asyncio.sleep(0.01)
+    await store.finish(claim, Reply(429, b"{}", {}, "queue_full"))
+    retry = await waiter  # the refused attempt is not remembered: this one runs afresh
+    assert retry.replay is None
+    await store.finish(retry, OK)
+    assert (await store.claim("m", "k", fingerprint({"inputs": [1]}), deadline)).replay == OK
+
+
+async def test_a_waiter_gives_up_at_its_deadline_and_old_keys_expire() -> None:
+    store = Idempotency(ttl_s=0.05, max_keys=2, metrics=Metrics())
+    loop = asyncio.get_running_loop()
+    first = await store.claim("m", "k", "fp", loop.time() + 5)
+    with pytest.raises(VegaError) as late:
+        await store.claim("m", "k", "fp", loop.time() + 0.05)
+    assert late.value.code == "deadline_exceeded"
+    await store.finish(first, OK)
+    await asyncio.sleep(0.06)
+    assert (await store.claim("m", "k", "fp", loop.time() + 5)).replay is None
+    assert store.key_of(None) is None and store.key_of('"abc-123"') == "abc-123"
+    with pytest.raises(VegaError):
+        store.key_of("has space")
+
+
+def post(url: str, body: bytes, key: str) -> httpx.Response:
+    return httpx.post(url + "/v1/infer", content=body, headers={"Idempotency-Key": key},
+                      timeout=10)
+
+
+async def post_all(urls: list[str], body: bytes, key: str) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return list(await asyncio.gather(*(
+            client.post(url + "/v1/infer", content=body, headers={"Idempotency-Key": key})
+            for url in urls)))
+
+
+async def test_repeats_run_the_model_once_and_conflicts_are_422(
+        vega: Callable[..., VegaProcess], tmp_path: Path) -> None:
+    log = str(tmp_path / "forwards")
+    server = vega(**ECHO, TEST_FORWARD_LOG=log, TEST_SLEEP_MS="300")
+    base = forwarded(log)
+    body = orjson.dumps({"inputs": window(8, 0.5)})
+    first = post(server.url, body, "order-1")
+    again = post(server.url, b" " + body, "order-1")  # whitespace is not a different body
+    assert first.status_code == again.status_code == 200
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert forwarded(log) == base + 1
+
+    together = await post_all([server.url] * 4, body, "order-2")
+    assert {r.status_code for r in together} == {200}
+    assert len({r.content for r in together}) == 1
+    assert sum(r.headers.get("idempotent-replayed") == "true" for r in together) == 3
+    assert forwarded(log) == base + 2
+
+    conflict = post(server.url, orjson.dumps({"inputs": window(8, 0.6)}), "order-1")
+    assert conflict.status_code == 422 and conflict.json()["error"]["code"] == "invalid_input"
+    assert forwarded(log) == base + 2
+
+
+async def test_repeats_across_two_processes_share_one_run_through_redis(
+        vega: Callable[..., VegaProcess], redis_server: RedisServer, tmp_path: Path) -> None:
+    logs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    a, b = (vega(**ECHO, VEGA_REDIS_URL=redis_server.url, TEST_SLEEP_MS="300",
+                 TEST_FORWARD_LOG=log) for log in logs)
+    base = sum(forwarded(log) for log in logs)
+    body = orjson.dumps({"inputs": window(8, 0.5)})
+    together = await post_all([a.url, b.url, a.url, b.url], body, "pay-7")
+    assert {r.status_code for r in together} == {200}
+    assert len({r.content for r in together}) == 1
+    assert sum(forwarded(log) for log in logs) == base + 1
+    later = post(b.url, body, "pay-7")
+    assert later.content == together[0].content
+    assert later.headers["idempotent-replayed"] == "true"
+    conflict = post(a.url, orjson.dumps({"inputs": window(8, 0.9)}), "pay-7")
+    assert conflict.status_code == 422
+    assert sum(forwarded(log) for log in logs) == base + 1

@@ -1,0 +1,159 @@
+"""The overflow wire format, and one process's streams against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from tests.infra import RedisServer
+from tests.models import echo, window
+from vega.config import load_settings
+from vega.keys import dlq_key, node_key, overflow_key, reply_key
+from vega.records import CRITICAL, Batch, Item
+from vega.runtime import Runtime
+from vega.wire import (
+    Overflow,
+    Reply,
+    WireError,
+    batch_of,
+    decode_overflow,
+    decode_reply,
+    encode_overflow,
+    encode_reply,
+)
+
+CODES = frozenset({"model_error", "declined", "dead_letter"})
+
+
+def overflow(**changes: Any) -> Overflow:
+    samples = (np.arange(16, dtype=np.float32).reshape(2, 8), np.ones((3, 8), np.float32))
+    fields: dict[str, Any] = {"origin": "host-1", "batch": "host-1.ab.7", "model": "echo",
+                              "deadline_ms": 1_800_000_000_000, "sent_ms": 1_799_999_999_000,
+                              "attempt": 1, "pad_to": 3, "lengths": (2, 3), "samples": samples}
+    fields.update(changes)
+    return Overflow(**fields)
+
+
+def test_overflow_entries_round_trip_bit_for_bit() -> None:
+    entry = overflow()
+    fields = encode_overflow(entry)
+    assert set(fields) == {b"v", b"meta", b"data"} and len(fields[b"data"]) == 5 * 8 * 4
+    back = decode_overflow(fields)
+    assert back.batch == entry.batch and back.lengths == (2, 3) and back.attempt == 1
+    for sent, got in zip(entry.samples, back.samples):
+        assert got.dtype == np.float32 and np.array_equal(sent, got)
+
+
+def test_replies_round_trip_arrays_json_and_errors() -> None:
+    outputs = (np.array([1.5, 2.0], np.float32), np.array([3.0, 4.25], np.float32))
+    back = decode_reply(encode_reply(Reply("b", "n", 1.25, outputs)), 2, CODES)
+    assert back.infer_ms == 1.25 and all(np.array_equal(a, b) for a, b in zip(outputs, back.outputs))
+    back = decode_reply(encode_reply(Reply("b", "n", 0, ({"label": 1}, [2]))), 2, CODES)
+    assert back.outputs == ({"label": 1}, [2])
+    back = decode_reply(encode_reply(Reply("b", "n", 0, (), "model_error", "boom")), 2, CODES)
+    assert (back.error_code, back.error_message) == ("model_error", "boom")
+    assert batch_of(encode_reply(Reply("b7", "n", 0, (), "declined", ""))) == "b7"
+
+
+@pytest.mark.parametrize("change", [
+    lambda f: f.pop(b"data"),
+    lambda f: f.update({b"v": b"2"}),
+    lambda f: f.update({b"meta": b"\x80\x04\x95 a pickle"}),
+    lambda f: f.update({b"data": f[b"data"][:-4]}),
+    lambda f: f.update({b"data": f[b"data"] + b"\0" * 4}),
+    lambda f: f.update({b"extra": b"1"}),
+])
+def test_damaged_entries_are_refused(change: Callable[[dict[bytes, bytes]], Any]) -> None:
+    fields = encode_overflow(overflow())
+    change(fields)
+    with pytest.raises(WireError):
+        decode_overflow(fields)
+
+
+@pytest.mark.parametrize("meta_change", [
+    {"attempt": 0}, {"attempt": True}, {"deadline_ms": "soon"}, {"origin": "a b"},
+    {"model": "{x}"}, {"lengths": []}, {"lengths": [2, 0]}, {"pad_to": 9},
+    {"arrays": [{"dtype": "object", "shape": [2, 8]}, {"dtype": "float32", "shape": [3, 8]}]},
+    {"arrays": [{"dtype": "float32", "shape": [2, 8, 1, 1, 1]},
+                {"dtype": "float32", "shape": [3, 8]}]},
+    {"unknown": 1},
+])
+def test_entries_off_the_schema_are_refused(meta_change: dict[str, Any]) -> None:
+    fields = encode_overflow(overflow())
+    meta = orjson.loads(fields[b"meta"])
+    meta.update(meta_change)
+    fields[b"meta"] = orjson.dumps(meta)
+    with pytest.raises(WireError):
+        decode_overflow(fields)
+
+
+def test_replies_of_the_wrong_size_or_code_are_refused() -> None:
+    with pytest.raises(WireError):
+        decode_reply(encode_reply(Reply("b", "n", 0, (np.ones(2, np.float32),))), 2, CODES)
+    with pytest.raises(WireError):
+        decode_reply(encode_reply(Reply("b", "n", 0, (), "rm -rf", "x")), 2, CODES)
+
+
+def test_keys_share_the_model_hash_tag() -> None:
+    assert overflow_key("echo") == "vega:{echo}:overflow"
+    assert dlq_key("echo") == "vega:{echo}:dlq"
+    assert reply_key("n1") == "vega:reply:n1" and node_key("n1") == "vega:node:n1"
+
+
+# -- one runtime in this process against a real redis-server -----------------------
+
+
+@pytest.fixture
+async def runtime(redis_server: RedisServer) -> AsyncIterator[Runtime]:
+    settings = load_settings(environ={
+        "VEGA_REDIS_URL": redis_server.url, "VEGA_NODE_ID": "solo", "VEGA_WARMUP_BATCHES": "1",
+        "VEGA_LENGTH_BUCKETS": "16", "VEGA_MAX_BATCH_SIZE": "4", "VEGA_HEARTBEAT_MS": "100",
+        "VEGA_TORCH_THREADS": "1"})
+    rt = Runtime(settings, [echo("echo")])
+    await rt.start()
+    await rt.wait_ready()
+    assert rt.streams is not None
+    for _ in range(100):
+        if rt.streams.up:
+            break
+        await asyncio.sleep(0.05)
+    yield rt
+    await rt.stop()
+
+
+async def test_heartbeat_is_written_with_a_ttl(runtime: Runtime,
+                                               redis_server: RedisServer) -> None:
+    client = aioredis.Redis.from_url(redis_server.url)
+    for _ in range(40):
+        state = await client.hgetall(node_key("solo"))
+        if state:
+            break
+        await asyncio.sleep(0.05)
+    assert state[b"node"] == b"solo" and orjson.loads(state[b"models"]) == ["echo"]
+    assert 0 < await client.pttl(node_key("solo")) <= 800
+    assert runtime.status()["redis_up"] is True and runtime.status()["peers"] == []
+    await client.aclose()
+
+
+async def test_a_hand_off_nobody_takes_is_taken_back_and_run_locally(runtime: Runtime) -> None:
+    streams = runtime.streams
+    assert streams is not None
+    for task in streams._tasks:  # nobody will steal: the origin's timer must answer
+        if task.get_name().startswith("streams-steal"):
+            task.cancel()
+    streams.peers = [{"node": "ghost", "models": ["echo"]}]
+    loop = asyncio.get_running_loop()
+    sample, length = runtime.models["echo"].adapter.decode(window(2, 1.0))
+    item = Item(model="echo", sample=sample, length=length, priority=CRITICAL,
+                deadline=loop.time() + 0.3, future=loop.create_future())
+    batch = Batch(model="echo", bucket=0, items=[item], formed_at=loop.time(), pad_to=2)
+    assert await streams.offer(batch, local_wait_s=1.0)
+    output = await asyncio.wait_for(item.future, 1.0)
+    assert output[0] == pytest.approx(16.0)
+    assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 1

@@ -1,0 +1,189 @@
+"""``vega cluster``: N Vega processes, a Redis, and Nginx in front, on this machine.
+
+For trying the cluster mode out and for benchmarks; production runs the same pieces
+under systemd (``conf/vega@.service``, ``nginx.conf``, docs/cluster.md). Nginx's
+configuration is the repository's ``nginx.conf``, rendered with this run's upstreams,
+listen address and paths (the lines marked ``# vega:``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from vega.config import ConfigError, load_settings
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "nginx.conf"
+
+
+def render_nginx(upstreams: Sequence[str], listen: str, prefix: Path, *,
+                 body_bytes: int = 4194304, max_deadline_ms: float = 30000,
+                 template: str | None = None) -> str:
+    """``nginx.conf`` for ``upstreams`` (``unix:/path`` or ``host:port``), rooted at ``prefix``."""
+    text = template if template is not None else TEMPLATE.read_text()
+    timeout_s = int(max_deadline_ms / 1000) + 5
+    out: list[str] = []
+    for line in text.splitlines():
+        marker = re.search(r"#\s*vega:\s*(\w+)", line)
+        if marker is None:
+            out.append(line)
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        key = marker.group(1)
+        if key == "servers":
+            if any(s.lstrip().startswith("server ") for s in out[-1:]):
+                continue  # written once, for all upstreams
+            out += [f"{indent}server {u} max_fails=1 fail_timeout=1s;" for u in upstreams]
+        elif key == "pid":
+            out.append(f"{indent}pid {prefix / 'nginx.pid'};")
+        elif key == "error_log":
+            out.append(f"{indent}error_log {prefix / 'nginx-error.log'} warn;")
+        elif key == "temp":
+            directive = line.split()[0]
+            out.append(f"{indent}{directive} {prefix / directive.replace('_path', '')};")
+        elif key == "listen":
+            out.append(f"{indent}listen {listen} backlog=4096;")
+        elif key == "body":
+            out.append(f"{indent}client_max_body_size {body_bytes};")
+        elif key == "timeout":
+            out.append(f"{indent}{line.split()[0]} {timeout_s}s;")
+    return "\n".join(out) + "\n"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--processes", type=int, default=os.cpu_count() or 1,
+                        help="Vega processes to start (default: one per core)")
+    parser.add_argument("--listen", default="127.0.0.1:8080",
+                        help="where Nginx listens (default 127.0.0.1:8080)")
+    parser.add_argument("--dir", help="folder for sockets, configs and logs (default: a temp dir)")
+    parser.add_argument("--env-file", help="VEGA_* settings for every process")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start everything, print where it listens, stop it all on Ctrl-C or SIGTERM."""
+    try:
+        settings = load_settings(env_file=args.env_file)
+    except ConfigError as error:
+        print(f"vega cluster: {error}", file=sys.stderr)
+        return 2
+    if shutil.which("nginx") is None:
+        print("vega cluster: nginx not found on PATH", file=sys.stderr)
+        return 3
+    workdir = Path(args.dir or tempfile.mkdtemp(prefix="vega-cluster-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        redis_url = settings.redis_url or _start_redis(workdir, procs)
+        sockets = [workdir / f"vega-{i}.sock" for i in range(1, args.processes + 1)]
+        for i, path in enumerate(sockets, 1):
+            procs.append(_start_vega(i, path, redis_url, workdir, args.env_file))
+        conf = workdir / "nginx.conf"
+        conf.write_text(render_nginx([f"unix:{p}" for p in sockets], args.listen, workdir,
+                                     body_bytes=settings.max_body_bytes,
+                                     max_deadline_ms=settings.max_deadline_ms))
+        procs.append(_spawn(["nginx", "-p", str(workdir), "-c", str(conf), "-g",
+                             "daemon off;"], workdir / "nginx.out"))
+        _wait_ready(sockets, procs)
+        print(f"vega cluster: {args.processes} process(es) behind http://{args.listen} "
+              f"(redis {'given' if settings.redis_url else 'local'}; logs in {workdir}); "
+              "Ctrl-C stops", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        print("vega cluster: a process exited; stopping the rest", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        _stop(procs)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None
+           ) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # Ctrl-C is ours to pass on
+
+
+def _start_redis(workdir: Path, procs: list[subprocess.Popen[bytes]]) -> str:
+    path = workdir / "redis.sock"
+    procs.append(_spawn(["redis-server", "--port", "0", "--unixsocket", str(path),
+                         "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+                         "--dir", str(workdir)], workdir / "redis.log"))
+    _wait_for(lambda: _connects(path), "redis-server")
+    return f"unix://{path}"
+
+
+def _start_vega(index: int, path: Path, redis_url: str, workdir: Path,
+                env_file: str | None) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, VEGA_UDS=str(path), VEGA_REDIS_URL=redis_url,
+               VEGA_NODE_ID=f"{socket.gethostname()}-{index}"[:64])
+    argv = [sys.executable, "-m", "vega", "serve"] + (["--env-file", env_file] if env_file else [])
+    return _spawn(argv, workdir / f"vega-{index}.log", env)
+
+
+def _wait_ready(sockets: list[Path], procs: list[subprocess.Popen[bytes]]) -> None:
+    def ready() -> bool:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        return all(_ready(path) for path in sockets)
+    _wait_for(ready, "vega processes to warm up", timeout_s=300)
+
+
+def _ready(path: Path) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(1)
+            sock.connect(str(path))
+            sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: vega\r\nConnection: close\r\n\r\n")
+            return sock.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+def _connects(path: Path) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(path))
+            return True
+    except OSError:
+        return False
+
+
+def _wait_for(check: object, what: str, timeout_s: float = 30) -> None:
+    end = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > end:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM Nginx and Vega (which drains), then Redis; kill what does not exit."""
+    redis = [p for p in procs if isinstance(p.args, list) and p.args[0] == "redis-server"]
+    for group in ([p for p in procs if p not in redis], redis):
+        for proc in group:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 35
+        for proc in group:
+            try:
+                proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,250 @@
+"""Idempotency keys: a repeated request gets the first answer; the model runs once.
+
+A client names an attempt with an ``Idempotency-Key`` header (IETF httpapi draft).
+Within ``VEGA_IDEMPOTENCY_TTL_S`` a repeat with the same key and model gets the
+answer the first attempt got; a repeat that arrives while the first is running
+waits for it (single-flight) rather than running again, bounded by its own
+deadline. The same key with a different body is refused (422 ``invalid_input``).
+An attempt that was refused (429/503), expired (504) or failed (5xx), or whose
+caller went away, is not remembered: a retry with that key is a fresh attempt.
+
+In one process, waiters hold the first attempt's future. Across processes, through
+Redis when ``VEGA_REDIS_URL`` is set: the first attempt takes
+``vega:{model}:idem:<digest>`` with ``SET NX PX`` (expiring with its deadline, so a
+dead owner frees it), replaces it with the stored answer when done, and deletes it
+(only if still its own) when not remembered. A repeat on another process reads that
+key, polling with a short backoff while it says "running". Values are orjson; when
+Redis is away each process keeps its own keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+
+from vega.errors import VegaError, invalid_input
+from vega.metrics import Metrics
+from vega.sideredis import SideRedis, Unavailable
+
+KEY_PATTERN = re.compile(r'"?([\x21\x23-\x7e]{1,255})"?')  # sf-string content, quotes optional
+REMEMBERED = frozenset({200, 404, 422})  # answers that a retry of the same body would get again
+POLL_FIRST_S, POLL_MAX_S = 0.005, 0.05  # a remote waiter's polling backoff
+LOCK_MARGIN_S = 2.0  # a running attempt's Redis lock outlives its deadline by this much
+
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass
+class Reply:
+    """An answer as sent, kept to be sent again."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str]
+    outcome: str  # what vega_requests_total counted it as
+
+    def encode(self) -> dict[str, Any]:
+        return {"status": self.status, "body": self.body.decode(), "headers": self.headers,
+                "outcome": self.outcome}
+
+    @classmethod
+    def decode(cls, doc: Any) -> Reply:
+        return cls(int(doc["status"]), str(doc["body"]).encode(),
+                   {str(k): str(v) for k, v in doc["headers"].items()}, str(doc["outcome"]))
+
+
+@dataclass(eq=False)
+class _Entry:
+    fingerprint: str
+    answer: asyncio.Future[Reply | None]  # None: released, a waiter tries afresh
+    expires_at: float = float("inf")  # set once answered
+
+
+@dataclass(eq=False)
+class Claim:
+    """Either a stored answer to replay, or the right (and duty) to run the attempt."""
+
+    replay: Reply | None = None
+    slot: str = ""
+    token: bytes = b""  # our value of the Redis lock, when we hold it
+    redis_key: str = ""
+    entry: _Entry | None = field(default=None, repr=False)
+
+
+def fingerprint(doc: Any) -> str:
+    """The body as parsed, canonically re-serialised and hashed."""
+    return hashlib.blake2b(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS),
+                           digest_size=16).hexdigest()
+
+
+def redis_key(model: str, key: str) -> str:
+    return f"vega:{{{model}}}:idem:{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}"
+
+
+class Idempotency:
+    def __init__(self, ttl_s: float, max_keys: int, metrics: Metrics,
+                 redis: SideRedis | None = None) -> None:
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self.metrics = metrics
+        self.redis = redis
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s > 0
+
+    def key_of(self, header: str | None) -> str | None:
+        """The header's key, or None when absent or switched off; 422 when malformed."""
+        if header is None or not self.enabled:
+            return None
+        match = KEY_PATTERN.fullmatch(header.strip())
+        if match is None:
+            raise invalid_input("Idempotency-Key must be 1-255 printable ASCII characters")
+        return match.group(1)
+
+    async def claim(self, model: str, key: str, print_: str, deadline: float) -> Claim:
+        """Replay the first answer, wait for it, or become the attempt that runs."""
+        loop = asyncio.get_running_loop()
+        slot = f"{model}\x00{key}"
+        while True:
+            entry = self._live(slot, loop.time())
+            if entry is None:
+                break
+            if entry.fingerprint != print_:
+                raise _conflict()
+            if not entry.answer.done():
+                self.metrics.idempotent.labels(model, "waited").inc()
+                await _wait(entry.answer, deadline)
+                continue
+            reply = entry.answer.result()
+            if reply is not None:
+                self.metrics.idempotent.labels(model, "replayed").inc()
+                return Claim(replay=reply)
+        entry = _Entry(print_, loop.create_future())
+        self._entries[slot] = entry
+        claim = Claim(slot=slot, entry=entry)
+        if self.redis is not None and self.redis.up:
+            try:
+                claim.replay = await self._claim_shared(claim, model, key, print_, deadline)
+            except BaseException:
+                self._settle(claim, None)
+                raise
+            if claim.replay is not None:
+                self._settle(claim, claim.replay)
+                self.metrics.idempotent.labels(model, "replayed").inc()
+        return claim
+
+    async def finish(self, claim: Claim, reply: Reply | None) -> None:
+        """Record the attempt's answer (or forget the key when ``reply`` is not kept)."""
+        keep = reply if reply is not None and reply.status in REMEMBERED else None
+        self._settle(claim, keep)
+        if claim.token and self.redis is not None:
+            # Shielded: a caller cancelled now must not cancel a Redis command.
+            await asyncio.shield(asyncio.ensure_future(self._publish(claim, keep)))
+
+    # -- in this process -------------------------------------------------------------
+
+    def _live(self, slot: str, now: float) -> _Entry | None:
+        entry = self._entries.get(slot)
+        if entry is not None and entry.expires_at <= now:
+            del self._entries[slot]
+            return None
+        return entry
+
+    def _settle(self, claim: Claim, reply: Reply | None) -> None:
+        entry = claim.entry
+        if entry is None or entry.answer.done():
+            return
+        entry.answer.set_result(reply)
+        if reply is None:
+            if self._entries.get(claim.slot) is entry:
+                del self._entries[claim.slot]
+            return
+        entry.expires_at = asyncio.get_running_loop().time() + self.ttl_s
+        self._entries.move_to_end(claim.slot)
+        while len(self._entries) > self.max_keys:
+            slot, oldest = next(iter(self._entries.items()))
+            if not oldest.answer.done():
+                break  # running attempts are bounded by the requests in flight
+            del self._entries[slot]
+
+    # -- across processes ------------------------------------------------------------
+
+    async def _claim_shared(self, claim: Claim, model: str, key: str, print_: str,
+                            deadline: float) -> Reply | None:
+        assert self.redis is not None
+        loop = asyncio.get_running_loop()
+        rkey = redis_key(model, key)
+        token = orjson.dumps({"fp": print_, "state": "running", "owner": os.urandom(8).hex()})
+        pause = POLL_FIRST_S
+        while True:
+            lock_ms = max(1, int(1000 * (deadline - loop.time() + LOCK_MARGIN_S)))
+            try:
+                taken = await self.redis.run(functools.partial(
+                    _set_if_absent, key=rkey, value=token, px=lock_ms))
+                if taken:
+                    claim.token, claim.redis_key = token, rkey
+                    return None
+                raw = await self.redis.run(lambda r: r.get(rkey))
+            except Unavailable:
+                return None  # run here; this process alone remembers the key
+            if raw is None:
+                continue  # released or expired between SET and GET: try again
+            doc = orjson.loads(raw)
+            if doc.get("fp") != print_:
+                raise _conflict()
+            if doc.get("state") == "done":
+                return Reply.decode(doc["reply"])
+            if loop.time() + pause >= deadline:
+                raise _still_running()
+            await asyncio.sleep(pause)
+            pause = min(POLL_MAX_S, 2 * pause)
+
+    async def _publish(self, claim: Claim, reply: Reply | None) -> None:
+        assert self.redis is not None
+        rkey, token = claim.redis_key, claim.token
+        try:
+            if reply is None:
+                await self.redis.run(lambda r: r.eval(_RELEASE, 1, rkey, token))
+            else:
+                value = orjson.dumps({"fp": claim.entry.fingerprint if claim.entry else "",
+                                      "state": "done", "reply": reply.encode()})
+                ttl_ms = max(1, int(1000 * self.ttl_s))
+                await self.redis.run(lambda r: r.set(rkey, value, px=ttl_ms))
+        except Unavailable:
+            pass  # the lock expires with the attempt's deadline; this process remembers
+
+
+async def _set_if_absent(client: Redis, key: str, value: bytes, px: int) -> bool:
+    return bool(await client.set(key, value, nx=True, px=px))
+
+
+async def _wait(answer: asyncio.Future[Reply | None], deadline: float) -> None:
+    """Until the first attempt answers, or 504 at our own deadline."""
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining > 0:
+        await asyncio.wait({answer}, timeout=remaining)
+    if not answer.done():
+        raise _still_running()
+
+
+def _conflict() -> VegaError:
+    return invalid_input("this Idempotency-Key was used with a different request body")
+
+
+def _still_running() -> VegaError:
+    return VegaError("deadline_exceeded",
+                     "the first request with this Idempotency-Key did not answer in time")

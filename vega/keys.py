@@ -1,0 +1,34 @@
+"""Every Redis key and stream name Vega uses, in one place (DESIGN.md "Redis layout").
+
+Keys of one model carry the model name as a hash tag, so a Redis Cluster keeps them
+on one slot.
+"""
+
+from __future__ import annotations
+
+GROUP = "workers"
+NODES = "vega:nodes"  # sorted set: node -> last heartbeat (epoch ms), to list peers
+
+
+def overflow_key(model: str) -> str:
+    return f"vega:{{{model}}}:overflow"
+
+
+def dlq_key(model: str) -> str:
+    return f"vega:{{{model}}}:dlq"
+
+
+def done_key(model: str, batch: str) -> str:
+    return f"vega:{{{model}}}:done:{batch}"
+
+
+def reply_key(node: str) -> str:
+    return f"vega:reply:{node}"
+
+
+def node_key(node: str) -> str:
+    return f"vega:node:{node}"
+
+
+BLOCK_MS = 500  # blocking reads; their connections time out at BLOCK_MS + redis timeout
+REPLY_TTL_MS = 3_600_000  # a dead origin's reply stream goes away after an hour

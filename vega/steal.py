@@ -1,0 +1,269 @@
+"""The thief's side of overflow: steal batches when idle, run them, reply; reclaim.
+
+A process reads its model's overflow group only while it has nothing of its own to
+do, runs a stolen batch only if the entry's deadline leaves time for it, and answers
+on the origin's reply stream in one transaction with the acknowledgement. Entries a
+dead thief left pending are put back (``attempt + 1``) or, past
+``VEGA_MAX_ATTEMPTS``, dead-lettered. A malformed entry is dead-lettered, never run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+from redis import exceptions as rexc
+
+from vega.errors import VegaError
+from vega.keys import (
+    BLOCK_MS,
+    GROUP,
+    REPLY_TTL_MS,
+    dlq_key,
+    done_key,
+    overflow_key,
+    reply_key,
+)
+from vega.records import NORMAL, Batch, Item
+from vega.wire import (
+    Overflow,
+    Reply,
+    WireError,
+    decode_overflow,
+    encode_overflow,
+    encode_reply,
+    wall_ms,
+)
+
+if TYPE_CHECKING:
+    from vega.streams import Streams
+
+log = logging.getLogger("vega.streams")
+
+CONNECTION_ERRORS = (rexc.ConnectionError, rexc.TimeoutError)
+
+
+class Thief:
+    """Steal and reclaim loops of one process, over the connection its Streams holds."""
+
+    def __init__(self, link: Streams) -> None:
+        self.link = link
+        self.node = link.node
+        self.settings = link.settings
+        self.metrics = link.metrics
+        self.models = link.models
+        self._skew_ms = link.settings.clock_skew_ms
+        self._running: set[Any] = set()  # ids of stolen entries running here
+
+    async def steal_loop(self, model: str) -> None:
+        """Read the group only while this process has nothing of its own to do."""
+        client = self.link.client(BLOCK_MS / 1000 + self.link.timeout_s)
+        key = overflow_key(model)
+        try:
+            while True:
+                await self.link.up_event.wait()
+                await self._idle()
+                try:
+                    got: Any = await client.xreadgroup(GROUP, self.node, {key: ">"}, count=1,
+                                                       block=BLOCK_MS)
+                except rexc.ResponseError as error:
+                    await self._group_lost(model, error)
+                    continue
+                except rexc.RedisError as error:
+                    self.link.redis_error(error)
+                    continue
+                for _stream, entries in got or []:
+                    for entry_id, fields in entries:
+                        # The read blocked while idle; work of our own may have arrived since
+                        # (even the batch we just handed off). Leave it to an idle peer.
+                        work = (self._steal(model, entry_id, fields) if self._idle_now()
+                                else self._pass_on(model, entry_id, fields))
+                        await self._guarded(work, model, entry_id, fields)
+        finally:
+            await client.aclose()
+
+    async def _group_lost(self, model: str, error: rexc.ResponseError) -> None:
+        """Redis restarted empty (NOGROUP) or refused the read: recreate, slow down."""
+        log.warning("overflow read for %s refused: %s", model, error)
+        try:
+            await self.link.ensure_group(model)
+        except rexc.RedisError as again:
+            self.link.redis_error(again)
+        await asyncio.sleep(BLOCK_MS / 1000)
+
+    def _idle_now(self) -> bool:
+        return self.link.stealing and not any(b.depth() or b.inflight
+                                              for _, b in self.models.values())
+
+    async def _idle(self) -> None:
+        if not self.link.stealing:
+            await asyncio.Event().wait()  # a draining process never steals again
+        while any(b.depth() or b.inflight for _, b in self.models.values()):
+            for _, batcher in self.models.values():
+                await batcher.wait_idle()
+
+    async def _guarded(self, work: Awaitable[None], model: str, entry_id: Any,
+                       fields: Any) -> None:
+        """A hostile entry must never take a loop down: dead-letter it and go on."""
+        try:
+            await work
+        except CONNECTION_ERRORS as error:
+            self.link.redis_error(error)
+        except WireError as error:
+            self.metrics.overflow_events.labels("malformed").inc()
+            log.warning("malformed overflow entry %r: %s", entry_id, error)
+            await self._dead_letter(model, entry_id, fields, f"malformed: {error}")
+        except Exception as error:
+            log.exception("overflow entry %r failed", entry_id)
+            await self._dead_letter(model, entry_id, fields, f"error: {error!r}")
+
+    async def _steal(self, model: str, entry_id: Any, fields: Any) -> None:
+        entry = self._decode(model, fields)
+        remaining_ms = entry.deadline_ms - wall_ms() - self._skew_ms
+        batcher = self.models[model][1]
+        bucket = batcher.bucket_of(entry.pad_to)
+        run_ms = 1000 * batcher.times.predict(bucket, len(entry.lengths))
+        if await self.link.cmd.exists(done_key(model, entry.batch)):
+            await self._ack(model, entry_id)  # the origin answered it already
+            return
+        if remaining_ms < run_ms + self.settings.deadline_margin_ms:
+            await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (),
+                                                     "declined", "cannot finish in time"))
+            return
+        self.metrics.overflow.labels("in").inc()
+        self._running.add(entry_id)
+        try:
+            await self._run_stolen(entry, entry_id, bucket, remaining_ms)
+        finally:
+            self._running.discard(entry_id)
+
+    async def _run_stolen(self, entry: Overflow, entry_id: Any, bucket: int,
+                          remaining_ms: float) -> None:
+        model = entry.model
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        items = [Item(model=model, sample=sample, length=length, priority=NORMAL,
+                      deadline=now + remaining_ms / 1000, future=loop.create_future(),
+                      enqueued_at=now, dispatched_at=now, bucket=bucket)
+                 for sample, length in zip(entry.samples, entry.lengths)]
+        batch = Batch(model=model, bucket=bucket, items=items, formed_at=now, pad_to=entry.pad_to)
+        await self.link.run_local(batch)
+        error = next((item.future.exception() for item in items
+                      if item.future.done() and item.future.exception() is not None), None)
+        if error is not None or not all(item.future.done() for item in items):
+            reply = Reply(entry.batch, self.node, 1000 * batch.infer_s, (), "model_error",
+                          str(error or "no answer"))
+        else:
+            reply = Reply(entry.batch, self.node, 1000 * batch.infer_s,
+                          tuple(item.future.result() for item in items))
+        await self._reply(entry, entry_id, reply)
+
+    def _decode(self, model: str, fields: Any) -> Overflow:
+        """The schema check, then the model's own input check on every sample."""
+        entry = decode_overflow(fields)
+        adapter, batcher = self.models[model]
+        if entry.model != model:
+            raise WireError(f"entry for model {entry.model!r} on the stream of {model!r}")
+        if len(entry.lengths) > batcher.config.max_batch_size:
+            raise WireError(f"{len(entry.lengths)} items, more than VEGA_MAX_BATCH_SIZE")
+        for sample, length in zip(entry.samples, entry.lengths):
+            try:
+                _, checked = adapter.decode(sample)
+            except VegaError as error:
+                raise WireError(f"sample refused by the model: {error.message}") from None
+            if checked != length:
+                raise WireError("a sample's length is not the one given")
+        return entry
+
+    async def _reply(self, entry: Overflow, entry_id: Any, reply: Reply) -> None:
+        """Answer, mark done and acknowledge in one transaction."""
+        ttl_ms = self.link.done_ttl_ms((entry.deadline_ms - wall_ms()) / 1000)
+        async with self.link.cmd.pipeline(transaction=True) as pipe:
+            pipe.set(done_key(entry.model, entry.batch), self.node, nx=True, px=ttl_ms)
+            pipe.xadd(reply_key(entry.origin), encode_reply(reply),  # type: ignore[arg-type]
+                      maxlen=self.settings.stream_maxlen, approximate=True)
+            pipe.pexpire(reply_key(entry.origin), REPLY_TTL_MS)
+            pipe.xack(overflow_key(entry.model), GROUP, entry_id)
+            pipe.xdel(overflow_key(entry.model), entry_id)
+            await pipe.execute()
+
+    async def _ack(self, model: str, entry_id: Any) -> None:
+        async with self.link.cmd.pipeline(transaction=True) as pipe:
+            pipe.xack(overflow_key(model), GROUP, entry_id)
+            pipe.xdel(overflow_key(model), entry_id)
+            await pipe.execute()
+
+    async def _dead_letter(self, model: str, entry_id: Any, fields: Any, reason: str) -> None:
+        """Keep the entry for a person to look at, out of every reader's way."""
+        self.metrics.overflow_events.labels("dead_lettered").inc()
+        kept: dict[Any, Any] = {b"reason": reason[:500], b"entry": entry_id, b"by": self.node}
+        if isinstance(fields, dict) and sum(len(k) + len(v) for k, v in fields.items()) < 1 << 20:
+            kept.update({b"field:" + bytes(k)[:64]: v for k, v in fields.items()})
+        try:
+            async with self.link.cmd.pipeline(transaction=True) as pipe:
+                pipe.xadd(dlq_key(model), kept, maxlen=self.settings.stream_maxlen,
+                          approximate=True)
+                pipe.xack(overflow_key(model), GROUP, entry_id)
+                pipe.xdel(overflow_key(model), entry_id)
+                await pipe.execute()
+        except rexc.RedisError as error:
+            self.link.redis_error(error)
+
+    # -- crash recovery: entries a dead thief left pending -----------------------------
+
+    async def reclaim_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.claim_idle_ms / 2000)
+            await self.link.up_event.wait()
+            for model in self.models:
+                try:
+                    await self._reclaim(model)
+                except rexc.RedisError as error:
+                    self.link.redis_error(error)
+                except Exception:
+                    log.exception("reclaim of %s failed", model)
+
+    async def _reclaim(self, model: str) -> None:
+        _next, entries, *_deleted = await self.link.cmd.xautoclaim(
+            overflow_key(model), GROUP, self.node, self.settings.claim_idle_ms, "0-0", count=16)
+        for entry_id, fields in entries:
+            # Our own entry, still running (a slow batch): claiming it again only reset its
+            # idle time. A hung one is the origin's to time out.
+            if fields is not None and entry_id not in self._running:
+                await self._guarded(self._requeue(model, entry_id, fields), model, entry_id,
+                                    fields)
+
+    async def _requeue(self, model: str, entry_id: Any, fields: Any) -> None:
+        """Put a dead thief's batch back in the stream, once per attempt, then dead-letter it."""
+        entry = decode_overflow(fields)
+        if await self.link.cmd.exists(done_key(model, entry.batch)) or \
+                entry.deadline_ms - wall_ms() + self._skew_ms <= 0:
+            await self._ack(model, entry_id)  # answered, or its origin has answered 504
+            self.metrics.overflow_events.labels("expired").inc()
+            return
+        if entry.attempt >= self.settings.max_attempts:
+            await self._dead_letter(model, entry_id, fields,
+                                    f"no answer after {entry.attempt} attempts")
+            await self._reply(entry, entry_id, Reply(
+                entry.batch, self.node, 0.0, (), "dead_letter",
+                f"batch lost on peers {entry.attempt} times; dead-lettered"))
+            return
+        self.metrics.overflow_events.labels("reclaimed").inc()
+        await self._reinsert(model, entry_id,
+                             encode_overflow(dataclasses.replace(entry, attempt=entry.attempt + 1)))
+
+    async def _pass_on(self, model: str, entry_id: Any, fields: Any) -> None:
+        """Give a batch read by a process that is busy now back to the stream, unchanged."""
+        decode_overflow(fields)  # a hostile entry is dead-lettered, not passed around
+        await self._reinsert(model, entry_id, fields)
+
+    async def _reinsert(self, model: str, entry_id: Any, again: Any) -> None:
+        async with self.link.cmd.pipeline(transaction=True) as pipe:
+            pipe.xadd(overflow_key(model), again,
+                      maxlen=self.settings.stream_maxlen, approximate=True)
+            pipe.xack(overflow_key(model), GROUP, entry_id)
+            pipe.xdel(overflow_key(model), entry_id)
+            await pipe.execute()

@@ -1,0 +1,418 @@
+"""Overflow between processes through Redis Streams: hand off, steal, reply, reclaim.
+
+A side channel (DESIGN.md "Redis layout", rules 7-9). The runtime offers each formed
+batch here; when the local wait is long, peers are alive and the deadline allows,
+the batch goes to ``vega:{model}:overflow`` and its futures wait in ``_pending`` (put
+there before the XADD). Idle peers read the stream through the ``workers`` group, run
+the batch and answer on ``vega:reply:<origin>``, which one task here reads (the
+thief's side is vega/steal.py). The origin owns the timeout: a batch not answered in
+time is taken back and run locally, or failed with 504. Redis away means everything
+runs locally until it is back. This module holds the connection, the origin's side and
+the heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis import exceptions as rexc
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from vega.batcher import Batcher
+from vega.config import Settings
+from vega.errors import VegaError
+from vega.keys import (
+    BLOCK_MS,
+    GROUP,
+    NODES,
+    done_key,
+    node_key,
+    overflow_key,
+    reply_key,
+)
+from vega.metrics import Metrics
+from vega.models import ModelAdapter
+from vega.records import PRIORITY_NAMES, Batch
+from vega.steal import CONNECTION_ERRORS, Thief
+from vega.wire import (
+    Overflow,
+    Reply,
+    WireError,
+    batch_of,
+    decode_reply,
+    encode_overflow,
+    wall_ms,
+)
+
+log = logging.getLogger("vega.streams")
+
+REPLY_CODES = frozenset({"model_error", "declined", "dead_letter"})
+
+RunLocal = Callable[[Batch], Awaitable[None]]
+
+
+@dataclass
+class Handoff:
+    """A batch of ours waiting on peers."""
+
+    batch: Batch
+    entry_id: Any = None
+    sent_at: float = 0.0  # loop clock
+    timer: asyncio.TimerHandle | None = None
+
+
+class Streams:
+    def __init__(self, settings: Settings, node: str, metrics: Metrics,
+                 models: Mapping[str, tuple[ModelAdapter, Batcher]], run_local: RunLocal) -> None:
+        self.settings = settings
+        self.node = node
+        self.metrics = metrics
+        self.models = dict(models)
+        self.run_local = run_local
+        self._boot = os.urandom(4).hex()
+        self.timeout_s = settings.redis_timeout_ms / 1000
+        self._margin_s = settings.deadline_margin_ms / 1000
+        self._skew_ms = settings.clock_skew_ms
+        self.cmd = self.client(self.timeout_s)
+        self._pending: dict[str, Handoff] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._spawned: set[asyncio.Task[Any]] = set()
+        self.up_event = asyncio.Event()
+        self._connecting: asyncio.Task[None] | None = None
+        self._reply_from = "$"
+        self.rtt_s = 0.005  # replaced by measurements
+        self.stealing = True
+        self.peers: list[dict[str, Any]] = []
+        self.thief = Thief(self)
+        metrics.redis_up.set(0)
+
+    def client(self, timeout_s: float) -> Redis:
+        # from_url adds no Retry of its own: say explicitly how little to retry.
+        return Redis.from_url(self.settings.redis_url, socket_timeout=timeout_s,
+                              socket_connect_timeout=self.timeout_s, max_connections=64,
+                              retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1,
+                                          supported_errors=(rexc.ConnectionError,)))
+
+    @property
+    def up(self) -> bool:
+        return self.up_event.is_set()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect in the background (the process serves locally meanwhile), start the loops."""
+        self._reconnect()
+        loops: list[tuple[str, Awaitable[None]]] = [
+            ("replies", self._reply_loop()), ("reclaim", self.thief.reclaim_loop()),
+            ("heartbeat", self._heartbeat_loop())]
+        loops += [(f"steal-{m}", self.thief.steal_loop(m)) for m in self.models]
+        for name, loop in loops:
+            task = asyncio.ensure_future(loop)
+            task.set_name(f"streams-{name}")
+            task.add_done_callback(_log_end)
+            self._tasks.append(task)
+
+    async def stop(self) -> None:
+        """After drain: stop stealing and reading, hand back what is still out, close."""
+        self.stealing = False
+        for key in list(self._pending):
+            self._take_back(key, "stopping")
+        tasks = self._tasks + list(self._spawned)
+        if self._connecting is not None:
+            tasks.append(self._connecting)
+        for task in tasks:  # shutdown, not the hot path: dropping a blocked read is fine
+            task.cancel()
+        if tasks:  # bounded: a stuck close must not keep the process from exiting
+            _, stuck = await asyncio.wait(tasks, timeout=BLOCK_MS / 1000 + self.timeout_s + 1)
+            if stuck:
+                log.warning("%d overflow task(s) did not stop in time", len(stuck))
+        try:
+            await self.cmd.delete(node_key(self.node))
+            await self.cmd.zrem(NODES, self.node)
+        except rexc.RedisError:
+            pass
+        await self.cmd.aclose()
+
+    def _spawn(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+        task.add_done_callback(_log_end)
+
+    # -- Redis up and down ---------------------------------------------------------
+
+    def _lost(self, error: BaseException) -> None:
+        """Redis stopped answering: serve locally, take our batches back, reconnect."""
+        if not self.up:
+            return
+        log.warning("redis unreachable (%r): serving locally, reconnecting", error)
+        self.up_event.clear()
+        self.metrics.redis_up.set(0)
+        for key in list(self._pending):
+            self._take_back(key, "redis_down")
+        self._reconnect()
+
+    def _reconnect(self) -> None:
+        if self._connecting is None or self._connecting.done():
+            self._connecting = asyncio.ensure_future(self._connect())
+            self._connecting.add_done_callback(_log_end)
+
+    async def _connect(self) -> None:
+        delay_s = 0.1
+        while True:
+            try:
+                pings = []
+                for _ in range(3):  # the least of three: one slow first ping is noise
+                    started = time.perf_counter()
+                    await self.cmd.ping()
+                    pings.append(time.perf_counter() - started)
+                # Round trip of a steal until one is measured: XADD, XREADGROUP, XADD, XREAD.
+                self.rtt_s = 4 * min(pings)
+                seconds, micros = await self.cmd.time()
+                if self._reply_from == "$":  # replies from now on, even before the reader reads
+                    self._reply_from = f"{seconds * 1000 + micros // 1000}-0"
+                for model in self.models:
+                    await self.ensure_group(model)
+                break
+            except rexc.RedisError as error:
+                log.debug("redis connect failed: %r; next try in %.1f s", error, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(5.0, delay_s * 2)
+        log.info("redis up: overflow on for %s", ", ".join(self.models))
+        self.metrics.redis_up.set(1)
+        self.up_event.set()
+
+    async def ensure_group(self, model: str) -> None:
+        try:
+            await self.cmd.xgroup_create(overflow_key(model), GROUP, id="$", mkstream=True)
+        except rexc.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+
+    # -- the origin: hand off, replies, take back ----------------------------------
+
+    async def offer(self, batch: Batch, local_wait_s: float) -> bool:
+        """Hand ``batch`` to peers if that should answer it sooner; False = run it locally."""
+        if not self._worth_handing_off(batch, local_wait_s):
+            return False
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        batcher = self.models[batch.model][1]
+        run_s = batcher.times.predict(batch.bucket, batch.size)
+        key = f"{self.node}.{self._boot}.{batch.id}"
+        try:
+            fields = encode_overflow(Overflow(
+                origin=self.node, batch=key, model=batch.model,
+                deadline_ms=wall_ms() + int(1000 * (batch.deadline - now)), sent_ms=wall_ms(),
+                attempt=1, pad_to=batch.pad_to, lengths=tuple(i.length for i in batch.items),
+                samples=tuple(item.sample for item in batch.items)))
+        except WireError:
+            return False
+        handoff = Handoff(batch, sent_at=now)
+        # Rule 8: the future is registered before the XADD. Rule 7: the origin's own
+        # timer takes the batch back while running it locally can still make it.
+        self._pending[key] = handoff
+        handoff.timer = loop.call_at(batch.deadline - run_s - 2 * self._margin_s,
+                                     self._take_back, key, "timeout")
+        try:
+            handoff.entry_id = await self.cmd.xadd(
+                overflow_key(batch.model), fields,  # type: ignore[arg-type]
+                maxlen=self.settings.stream_maxlen, approximate=True)
+        except rexc.RedisError as error:
+            handoff.timer.cancel()
+            if self._pending.pop(key, None) is None:
+                return True  # already taken back by _lost
+            self.redis_error(error)
+            return False
+        self.metrics.overflow.labels("out").inc()
+        return True
+
+    def _worth_handing_off(self, batch: Batch, local_wait_s: float) -> bool:
+        if not self.up or batch.model not in self.models:
+            return False
+        if 1000 * local_wait_s <= self.settings.overflow_threshold_ms or local_wait_s <= self.rtt_s:
+            return False
+        capacity = 2 * sum(1 for peer in self.peers if batch.model in peer["models"])
+        if len(self._pending) >= capacity:
+            return False
+        run_s = self.models[batch.model][1].times.predict(batch.bucket, batch.size)
+        remaining_s = batch.deadline - asyncio.get_running_loop().time()
+        # Room for a remote attempt and, if that fails, a local one.
+        return remaining_s > self.rtt_s + 2 * run_s + 2 * self._margin_s
+
+    def _take_back(self, key: str, why: str) -> None:
+        """The peers did not answer in time (or cannot): run it here if the deadline allows."""
+        handoff = self._pending.pop(key, None)
+        if handoff is None:
+            return
+        if handoff.timer is not None:
+            handoff.timer.cancel()
+        batch = handoff.batch
+        self.metrics.overflow_events.labels("taken_back").inc()
+        log.debug("batch %s taken back (%s)", key, why)
+        if self.up and handoff.entry_id is not None:
+            self._spawn(self._forget(batch.model, key, handoff.entry_id, batch.deadline))
+        if not any(item.live for item in batch.items):
+            return
+        now = asyncio.get_running_loop().time()
+        run_s = self.models[batch.model][1].times.predict(batch.bucket, batch.size)
+        if now + run_s < batch.deadline:  # the timer left a margin for its own lateness
+            self._spawn(self.run_local(batch))
+        else:
+            _fail(batch, VegaError("deadline_exceeded",
+                                   "handed to a peer that did not answer in time"))
+
+    async def _forget(self, model: str, key: str, entry_id: Any, deadline: float) -> None:
+        """Tell peers the batch is answered: a thief or a reclaimer will not run it."""
+        ttl_ms = self.done_ttl_ms(deadline - asyncio.get_running_loop().time())
+        try:
+            async with self.cmd.pipeline(transaction=True) as pipe:
+                pipe.set(done_key(model, key), self.node, nx=True, px=ttl_ms)
+                pipe.xdel(overflow_key(model), entry_id)
+                await pipe.execute()
+        except rexc.RedisError as error:
+            self.redis_error(error)
+
+    def done_ttl_ms(self, remaining_s: float) -> int:
+        return int(max(0.0, 1000 * remaining_s) + 2 * self.settings.claim_idle_ms + 1000)
+
+    async def _reply_loop(self) -> None:
+        """One task, one connection: XREAD BLOCK on our reply stream (rule 8)."""
+        client = self.client(BLOCK_MS / 1000 + self.timeout_s)
+        key = reply_key(self.node)
+        try:
+            while True:
+                await self.up_event.wait()
+                try:
+                    got: Any = await client.xread({key: self._reply_from}, count=64,
+                                                  block=BLOCK_MS)
+                except rexc.RedisError as error:
+                    self.redis_error(error)
+                    continue
+                for _stream, entries in got or []:
+                    for entry_id, fields in entries:
+                        self._reply_from = entry_id
+                        self._on_reply(fields)
+        finally:
+            await client.aclose()
+
+    def _on_reply(self, fields: Any) -> None:
+        try:
+            key = batch_of(fields)
+        except WireError as error:
+            self.metrics.overflow_events.labels("malformed").inc()
+            log.warning("malformed reply dropped: %s", error)
+            return
+        handoff = self._pending.get(key)
+        if handoff is None:  # answered already (taken back, or a second run's reply)
+            self.metrics.overflow_events.labels("late_reply").inc()
+            return
+        try:
+            reply = decode_reply(fields, handoff.batch.size, REPLY_CODES)
+        except WireError as error:
+            self.metrics.overflow_events.labels("malformed").inc()
+            log.warning("malformed reply for %s dropped: %s", key, error)
+            return
+        if reply.error_code == "declined":
+            self.metrics.overflow_events.labels("declined").inc()
+            self._take_back(key, "declined")
+            return
+        del self._pending[key]
+        if handoff.timer is not None:
+            handoff.timer.cancel()
+        self._answer(handoff, reply)
+
+    def _answer(self, handoff: Handoff, reply: Reply) -> None:
+        batch = handoff.batch
+        if reply.error_code == "dead_letter":
+            _fail(batch, VegaError("model_error", reply.error_message))
+            return
+        if reply.error_code:
+            _fail(batch, VegaError("model_error", f"on peer {reply.node}: {reply.error_message}"))
+            return
+        infer_s = reply.infer_ms / 1000
+        for item, output in zip(batch.items, reply.outputs):
+            if not item.future.done():
+                item.infer_s = infer_s
+                item.future.set_result(output)
+        round_trip_s = asyncio.get_running_loop().time() - handoff.sent_at - infer_s
+        self.rtt_s = 0.8 * self.rtt_s + 0.2 * max(0.0, round_trip_s)
+        self.metrics.steal_rtt.set(self.rtt_s)
+
+    # -- heartbeats ----------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self.up_event.wait()
+            try:
+                await self._beat()
+            except rexc.RedisError as error:
+                self.redis_error(error)
+            except Exception:
+                log.exception("heartbeat failed")
+            await asyncio.sleep(self.settings.heartbeat_ms / 1000)
+
+    async def _beat(self) -> None:
+        now_ms = wall_ms()
+        ttl_ms = 3 * self.settings.heartbeat_ms + 500  # a busy peer's late beat is not death
+        state = {
+            "node": self.node, "time_ms": now_ms, "stealing": int(self.stealing),
+            "models": orjson.dumps(list(self.models)),
+            "depth": orjson.dumps({m: {p: b.depth(i) for i, p in enumerate(PRIORITY_NAMES)}
+                                   for m, (_, b) in self.models.items()}),
+            "service_rate": orjson.dumps({m: round(b.rate.items_per_s, 1)
+                                          for m, (_, b) in self.models.items()}),
+            "inflight": sum(b.inflight for _, b in self.models.values()),
+            "handed_off": len(self._pending),
+        }
+        async with self.cmd.pipeline(transaction=False) as pipe:
+            pipe.hset(node_key(self.node), mapping=state)  # type: ignore[arg-type]
+            pipe.pexpire(node_key(self.node), ttl_ms)
+            pipe.zadd(NODES, {self.node: now_ms})
+            pipe.zremrangebyscore(NODES, 0, now_ms - ttl_ms)
+            pipe.zrange(NODES, 0, -1)
+            *_, nodes = await pipe.execute()
+        others = [n.decode() for n in nodes if n.decode() != self.node]
+        async with self.cmd.pipeline(transaction=False) as pipe:
+            for other in others:
+                pipe.hgetall(node_key(other))
+            states = await pipe.execute() if others else []
+        self.peers = [peer for peer in map(_peer, states) if peer is not None]
+        self.metrics.peers.set(len(self.peers))
+
+    def redis_error(self, error: BaseException) -> None:
+        if isinstance(error, CONNECTION_ERRORS):
+            self._lost(error)
+        else:
+            log.error("redis refused a command: %r", error)
+
+
+def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
+    """A heartbeat as /v1/status shows it; None if it expired or does not parse."""
+    try:
+        return {"node": state[b"node"].decode(), "age_ms": wall_ms() - int(state[b"time_ms"]),
+                "models": orjson.loads(state[b"models"]), "depth": orjson.loads(state[b"depth"]),
+                "service_rate": orjson.loads(state[b"service_rate"]),
+                "inflight": int(state[b"inflight"]), "stealing": state[b"stealing"] == b"1"}
+    except (KeyError, ValueError, orjson.JSONDecodeError):
+        return None
+
+
+def _fail(batch: Batch, error: VegaError) -> None:
+    for item in batch.items:
+        if not item.future.done():
+            item.future.set_exception(error)
+
+
+def _log_end(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("overflow task died: %r", task.exception(), exc_info=task.exception())
