@@ -7,7 +7,7 @@ import pytest
 
 from tests.servers import VegaProcess
 
-pytest_plugins = ["tests.infra"]
+pytest_plugins = ["tests.infra", "tests.netns"]
 
 
 @pytest.fixture

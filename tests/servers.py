@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -38,9 +39,12 @@ class VegaProcess:
     """``python -m vega serve`` on a free port, with settings given as VEGA_* env."""
 
     def __init__(self, env: dict[str, str] | None = None, log_path: Path | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, host: str = "127.0.0.1",
+                 prefix: Sequence[str] = ()) -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.url = f"http://{host}:{self.port}"
+        self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", NAME]: run on a test host
         self.env = {"VEGA_TORCH_THREADS": "1", "VEGA_WARMUP_BATCHES": "1", **(env or {})}
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -49,10 +53,12 @@ class VegaProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
         env.update(self.env)
         env["VEGA_PORT"] = str(self.port)
+        env["VEGA_HOST"] = self.host
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         out = open(self.log_path, "wb") if self.log_path else None
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vega", "serve"], env=env,
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "vega", "serve"],
+                                         env=env,
                                          stdout=out or subprocess.DEVNULL,
                                          stderr=subprocess.STDOUT, cwd=ROOT)
         finally:

@@ -219,3 +219,27 @@ async def test_nginx_spreads_requests_and_passes_429_through(
     for proc in procs:
         assert metric(proc, "vega_requests_total", outcome="ok") >= 1
     assert sum(metric(p, "vega_requests_total") for p in procs) == 12  # nothing retried
+
+
+async def test_slow_redis_times_out_to_local_serving_and_recovers(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
+    env = {**CLUSTER_ENV, "VEGA_REDIS_URL": redis_server.url, "TEST_SLEEP_MS": "40"}
+    a = vega(VEGA_NODE_ID="A", **env)
+    b = vega(VEGA_NODE_ID="B", **env)
+    wait_until(lambda: peers_of(a) == ["B"], 10, "heartbeats")
+    values = [float(i % 50) for i in range(240)]
+    load = asyncio.ensure_future(send(a.url, values, concurrency=40, deadline_ms=5000))
+    await asyncio.to_thread(wait_until, lambda: metric(
+        a, "vega_overflow_batches_total", direction="out") > 0, 10, "overflow")
+    stall: Any = redis.Redis.from_url(redis_server.url)
+    # Redis answers nothing for 1.5 s: every Vega call to it times out meanwhile.
+    await asyncio.to_thread(stall.execute_command, "DEBUG", "SLEEP", "1.5")
+    stall.close()
+    responses = await load
+    counts = outcomes(responses)
+    assert counts["ok"] > 0 and set(counts) <= {"ok"} | EXPLICIT, counts
+    check_outputs(values, responses)
+    assert metric(a, "vega_requests_total") == 240
+    assert "redis unreachable" in a.log()  # it noticed, served locally, reconnected
+    await asyncio.to_thread(wait_until, lambda: metric(a, "vega_redis_up") == 1, 15, "reconnect")
+    assert outcomes(await send(a.url, values[:40], concurrency=20)) == Counter(ok=40)

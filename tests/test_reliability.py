@@ -105,11 +105,11 @@ async def test_model_failures_and_hangs_are_answered_and_isolated(
         elif item_id % 97 == 0:
             rows[0][0] = -FAIL_MARK  # its batch hangs past the deadline
         return orjson.dumps({"inputs": rows, "deadline_ms": 800})
-    books = await offer(server.url, steady(100, 4, varied), Books())
+    books = await offer(server.url, steady(50, 4, varied), Books())
     assert books.problems(ledger(str(tmp_path / "ran"))) == [], books.summary()
     tally = books.tally()
-    assert tally["500 model_error"] >= 40 and tally["504 deadline_exceeded"] >= 1, tally
-    assert tally["200"] > 100, tally
+    assert tally["500 model_error"] >= 10 and tally["504 deadline_exceeded"] >= 1, tally
+    assert tally["200"] > 50, tally
     assert httpx.get(server.url + "/readyz").status_code == 200
 
 
@@ -137,13 +137,20 @@ async def test_disconnecting_callers_are_not_run(ledgered: Callable[..., VegaPro
                                                  tmp_path: Path) -> None:
     server = ledgered(TEST_SLEEP_MS="200", VEGA_MAX_BATCH_SIZE="1",
                       VEGA_MAX_INFLIGHT_BATCHES="1")
-    async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as client:
-        async def gives_up(i: int) -> None:
-            with pytest.raises(httpx.ReadTimeout):
-                await client.post("/v1/infer", content=body(i, "normal"))
-        await asyncio.gather(*(gives_up(i) for i in range(1, 11)))
-    await asyncio.sleep(1.0)
+    callers = []
+    for i in range(1, 11):
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        payload = body(i, "normal")
+        sock.sendall(f"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}"
+                     "\r\n\r\n".encode() + payload)
+        callers.append(sock)
+    await asyncio.sleep(0.1)  # the first is running; the other nine wait in the queue
+    for sock in callers[1:]:
+        sock.close()  # ...and hang up
+    assert callers[0].recv(100).startswith(b"HTTP/1.1 200")
+    callers[0].close()
+    await asyncio.sleep(0.5)
     ran = ledger(str(tmp_path / "ran"))
-    assert len(ran) <= 3, ran  # only what was already dispatched when its caller left
+    assert 1 in ran and len([i for i in ran if i > 1]) <= 1, ran  # at most one was dispatched
     window_ok = httpx.post(server.url + "/v1/infer", content=orjson.dumps({"inputs": window(4)}))
     assert window_ok.status_code == 200

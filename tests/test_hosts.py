@@ -1,0 +1,127 @@
+"""Two Vega hosts and one host with Redis and Nginx, as network namespaces (DESIGN.md:
+nothing in Vega assumes one host): overflow, a killed thief and a cut link, across hosts."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from tests.models import FAIL_MARK, window
+from tests.netns import Hosts
+from tests.servers import VegaProcess, wait_until
+from tests.test_cluster import CLUSTER_ENV, check_outputs, metric, outcomes, send
+
+REDIS_PORT = 6390
+PASSWORD = "vega-test-password"
+Cluster = tuple[Hosts, Callable[..., VegaProcess], str]
+VEGA_PORT = 8000
+
+
+@pytest.fixture
+def cluster(hosts: type[Hosts], tmp_path: Path) -> Iterator[Cluster]:
+    """Factory: the three hosts up, Redis on `store`; returns (hosts, start_vega(name, env))."""
+    topology = hosts(["a", "b", "store"]).up()
+    store = topology.address["store"]
+    redis_proc = subprocess.Popen(
+        [*topology.prefix("store"), "redis-server", "--bind", store, "--port", str(REDIS_PORT),
+         "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
+         "--requirepass", PASSWORD],  # reached over a network: a password, as in production
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://:{PASSWORD}@{store}:{REDIS_PORT}/0"
+    wait_until(lambda: _pings(url), 10, "redis on the store host")
+    started: list[VegaProcess] = []
+
+    def start(name: str, **env: str) -> VegaProcess:
+        proc = VegaProcess({**CLUSTER_ENV, "VEGA_REDIS_URL": url, "VEGA_NODE_ID": name.upper(),
+                            **env}, log_path=tmp_path / f"vega-{name}.log", port=VEGA_PORT,
+                           host=topology.address[name], prefix=topology.prefix(name))
+        started.append(proc)
+        return proc.start()
+
+    yield topology, start, url
+    for proc in started:
+        proc.kill()
+    redis_proc.kill()
+    redis_proc.wait()
+
+
+def _pings(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def peers(proc: VegaProcess) -> list[str]:
+    return [p["node"] for p in httpx.get(proc.url + "/v1/status", timeout=5).json()["peers"]]
+
+
+async def test_overflow_crosses_hosts(cluster: Cluster) -> None:
+    _topology, start, _url = cluster
+    a = start("a", TEST_SLEEP_MS="40")
+    b = start("b", TEST_SLEEP_MS="40")
+    wait_until(lambda: peers(a) == ["B"], 15, "heartbeats across hosts")
+    values = [float(i % 50) for i in range(160)]
+    responses = await send(a.url, values, concurrency=40)
+    assert outcomes(responses) == Counter(ok=160)
+    check_outputs(values, responses)
+    assert metric(b, "vega_overflow_batches_total", direction="in") > 0
+    assert metric(a, "vega_requests_total") == 160
+
+
+async def test_killed_thief_on_another_host_is_reclaimed(cluster: Cluster) -> None:
+    _topology, start, url = cluster
+    a = start("a", TEST_SLEEP_MS="300", TEST_HANG_MS="3000")
+    b = start("b", TEST_HANG_MS="60000")
+    wait_until(lambda: peers(a) == ["B"], 15, "heartbeats across hosts")
+    marked = window(2, 0.5)
+    marked[0][0] = -FAIL_MARK
+    async with httpx.AsyncClient(timeout=60) as client:
+        first = asyncio.ensure_future(send(a.url, [-FAIL_MARK]))
+        await asyncio.to_thread(wait_until, lambda: httpx.get(a.url + "/v1/status").json()[
+            "models"]["echo"]["inflight_batches"] > 0, 10, "A to be busy")
+        hung = asyncio.ensure_future(client.post(a.url + "/v1/infer", json={
+            "inputs": marked, "priority": "critical", "deadline_ms": 15000}))
+        held: Any = redis.Redis.from_url(url)
+        await asyncio.to_thread(wait_until, lambda: held.xpending_range(
+            "vega:{echo}:overflow", "workers", "-", "+", 10, "B"), 10, "B to hold the batch")
+        held.close()
+        assert b.proc is not None
+        b.proc.send_signal(signal.SIGKILL)
+        b.proc.wait()
+        answer = await hung
+        assert outcomes(await first) == Counter(ok=1)
+    assert answer.status_code == 200
+    assert answer.json()["outputs"][0] == pytest.approx(-FAIL_MARK + 0.5 * 15)
+
+
+async def test_cutting_a_hosts_link_ends_in_explicit_answers(cluster: Cluster) -> None:
+    topology, start, _url = cluster
+    a = start("a", TEST_SLEEP_MS="40")
+    b = start("b", TEST_SLEEP_MS="40")
+    wait_until(lambda: peers(a) == ["B"], 15, "heartbeats across hosts")
+    values = [float(i % 50) for i in range(300)]
+    load = asyncio.ensure_future(send(a.url, values, concurrency=40, deadline_ms=3000))
+    await asyncio.to_thread(wait_until, lambda: metric(
+        b, "vega_overflow_batches_total", direction="in") > 0, 10, "B to steal")
+    topology.cut("b")  # B keeps running, unreachable: its stolen batches never come back
+    try:
+        responses = await asyncio.wait_for(load, 60)  # never a hang
+    finally:
+        topology.mend("b")
+    counts = outcomes(responses)
+    assert counts["ok"] > 0 and set(counts) <= {"ok", "deadline_exceeded", "model_error"}, counts
+    check_outputs(values, responses)
+    assert metric(a, "vega_requests_total") == 300
