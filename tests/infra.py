@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -49,6 +50,15 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()  # as a crash would: no goodbye to the clients
             self.proc.wait()
+
+    def pause(self, seconds: float) -> None:
+        """Freeze the server (SIGSTOP) for ``seconds``: connections stay open, nothing answers."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
 
 
 @pytest.fixture
