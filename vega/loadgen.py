@@ -134,6 +134,7 @@ class Conn(asyncio.Protocol):
         self.head_end = 0
         self.status = 0
         self.close_after = False
+        self.retry_after_s = 0.0  # the Retry-After header of the answer being read
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -162,6 +163,7 @@ class Conn(asyncio.Protocol):
                 self.need = end + 4 + int(head[at + 17:eol if eol > 0 else len(head)])
                 self.head_end = end + 4
                 self.close_after = b"\r\nconnection: close" in head
+                self.retry_after_s = _header_seconds(head, b"\r\nretry-after:")
             if len(buf) < self.need:
                 return
             body = bytes(buf[self.head_end:self.need]) if self.status != 200 else b""
@@ -219,6 +221,7 @@ class Engine:
     sent: int = 0
     done: int = 0
     limit: int | None = None
+    honor_retry_after: bool = False  # closed loop: wait out a 429/503 before the next send
     idle_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -237,7 +240,12 @@ class Engine:
         now = time.perf_counter() - self.start
         reason = error_code(body) if status != 200 else ""
         self.record(kind, t_sched, status, reason, now - t_sched)
-        if not conn.close_after:
+        if conn.close_after:
+            return
+        wait_s = conn.retry_after_s if self.honor_retry_after and status in (429, 503) else 0.0
+        if wait_s > 0 and self.closed:
+            asyncio.get_running_loop().call_later(wait_s, self.ready, conn)
+        else:
             self.ready(conn)
 
     def ready(self, conn: Conn) -> None:
@@ -333,6 +341,18 @@ def error_code(body: bytes) -> str:
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return ""
     return code if isinstance(code, str) else ""
+
+
+def _header_seconds(head: bytes, name: bytes) -> float:
+    """A header's value as seconds (``Retry-After: 2``), or 0 when absent or not a number."""
+    at = head.find(name)
+    if at < 0:
+        return 0.0
+    end = head.find(b"\r\n", at + 2)
+    try:
+        return float(head[at + len(name):end if end > 0 else len(head)].strip())
+    except ValueError:
+        return 0.0
 
 
 async def offer(engine: Engine, times: list[float], kinds: list[Kind]) -> None:
@@ -472,7 +492,8 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
     sequence = [kinds[pair] for pair in pairs]
     engine = Engine(target, rep.Tally(rep.auto_bin_s(total_s + 1.0)),
                     options["max_connections"], options["timeout_s"], closed=closed,
-                    limit=options["requests"] if closed else None)
+                    limit=options["requests"] if closed else None,
+                    honor_retry_after=bool(options["honor_retry_after"]))
     if closed:
         cycle = itertools.cycle(sequence)
         engine.next_kind = lambda: next(cycle)

@@ -346,6 +346,8 @@ OPTIONS = (
     Opt("max_connections", 256, int, "open: most connections; past it requests queue "
         "client-side (reported as backlog)"),
     Opt("timeout_s", 10.0, float, "client timeout of one request after it is sent"),
+    Opt("honor_retry_after", False, parse_bool, "closed: after a 429/503 a connection waits the "
+        "answer's Retry-After header before its next request, as HTTP asks"),
     Opt("drain_s", 5.0, float, "after the last send, wait at most this long for answers"),
     Opt("poll_s", 0.25, float, "poll GET /v1/status this often for queue depth; 0 = off"),
     Opt("metrics", True, parse_bool, "read /metrics before and after for batch histograms"),

@@ -26,6 +26,7 @@ def build_module(*, width: int = 128, layers: int = 6, heads: int = 4, seed: int
     class PatchEncoder(nn.Module):
         def __init__(self) -> None:
             super().__init__()
+            self.patch = PATCH
             self.embed = nn.Linear(PATCH * CHANNELS, width)
             self.position = nn.Parameter(torch.randn(MAX_LENGTH // PATCH, width) * 0.02)
             layer = nn.TransformerEncoderLayer(width, heads, dim_feedforward=2 * width,
@@ -35,11 +36,12 @@ def build_module(*, width: int = 128, layers: int = 6, heads: int = 4, seed: int
 
         def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
             batch, steps, channels = x.shape
-            tokens = -(-steps // PATCH)
-            if tokens * PATCH != steps:
-                x = nn.functional.pad(x, (0, 0, 0, tokens * PATCH - steps))
-            h = self.embed(x.reshape(batch, tokens, PATCH * channels)) + self.position[:tokens]
-            valid = (lengths + PATCH - 1) // PATCH
+            patch = self.patch
+            tokens = (steps + patch - 1) // patch
+            if tokens * patch != steps:
+                x = nn.functional.pad(x, (0, 0, 0, tokens * patch - steps))
+            h = self.embed(x.reshape(batch, tokens, patch * channels)) + self.position[:tokens]
+            valid = (lengths + patch - 1) // patch
             pad_mask = torch.arange(tokens, device=x.device)[None, :] >= valid[:, None]
             h = self.encoder(h, src_key_padding_mask=pad_mask)
             h = h.masked_fill(pad_mask[..., None], 0.0).sum(1) / valid[:, None]
@@ -57,10 +59,11 @@ def build_module(*, width: int = 128, layers: int = 6, heads: int = 4, seed: int
 def sensor(name: str = "sensor") -> SequenceModel:
     """The full model: ~1-3 ms for one window on one core, several times that per batch."""
     return SequenceModel(build_module(), name, channels=CHANNELS, max_length=MAX_LENGTH,
-                         output_size=CLASSES)
+                         output_size=CLASSES, script=True)
 
 
 def sensor_small(name: str = "sensor-small") -> SequenceModel:
     """A cheaper variant for the same inputs (a fallback under pressure)."""
     return SequenceModel(build_module(width=32, layers=2, heads=2, seed=1), name,
-                         channels=CHANNELS, max_length=MAX_LENGTH, output_size=CLASSES)
+                         channels=CHANNELS, max_length=MAX_LENGTH, output_size=CLASSES,
+                         script=True)
