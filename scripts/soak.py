@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import os
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,12 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import orjson  # noqa: E402
+import orjson
 
-from tests.books import Books, Planned, offer  # noqa: E402
-from tests.infra import Nginx, RedisServer  # noqa: E402
-from tests.models import FAIL_MARK, ledger, tagged  # noqa: E402
-from tests.servers import VegaProcess  # noqa: E402
+from tests.books import Books, Planned, offer
+from tests.infra import Nginx, RedisServer
+from tests.models import FAIL_MARK, ledger, tagged
+from tests.servers import VegaProcess
 
 CLASSES = ("sheddable", "sheddable", "normal", "normal", "critical")
 ENV = {"VEGA_MODEL": "python:tests.models:echo", "TEST_SLEEP_MS": "20",

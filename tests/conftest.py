@@ -10,16 +10,21 @@ from tests.servers import VegaProcess
 pytest_plugins = ["tests.infra", "tests.netns"]
 
 
-@pytest.fixture
-def vega(tmp_path: Path) -> Iterator[Callable[..., VegaProcess]]:
-    """Factory: start a real `vega serve` with the given VEGA_*/TEST_* env; stopped after."""
+def _starter(logs: Path) -> tuple[Callable[..., VegaProcess], list[VegaProcess]]:
     started: list[VegaProcess] = []
 
     def start(wait_ready: bool = True, **env: str) -> VegaProcess:
-        proc = VegaProcess(env, log_path=tmp_path / f"vega-{len(started)}.log")
+        proc = VegaProcess(env, log_path=logs / f"vega-{len(started)}.log")
         started.append(proc)
         return proc.start(wait_ready=wait_ready)
 
+    return start, started
+
+
+@pytest.fixture
+def vega(tmp_path: Path) -> Iterator[Callable[..., VegaProcess]]:
+    """Factory: start a real `vega serve` with the given VEGA_*/TEST_* env; stopped after."""
+    start, started = _starter(tmp_path)
     yield start
     for proc in started:
         proc.kill()
@@ -29,14 +34,7 @@ def vega(tmp_path: Path) -> Iterator[Callable[..., VegaProcess]]:
 def vega_module(tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[Callable[..., VegaProcess]]:
     """As ``vega``, shared by the tests of one module (each start costs seconds)."""
-    started: list[VegaProcess] = []
-    logs = tmp_path_factory.mktemp("vega")
-
-    def start(wait_ready: bool = True, **env: str) -> VegaProcess:
-        proc = VegaProcess(env, log_path=logs / f"vega-{len(started)}.log")
-        started.append(proc)
-        return proc.start(wait_ready=wait_ready)
-
+    start, started = _starter(tmp_path_factory.mktemp("vega"))
     yield start
     for proc in started:
         proc.kill()

@@ -84,7 +84,8 @@ def forwarded(path: str) -> int:
 
 def window(length: int, value: float = 0.5) -> list[list[float]]:
     """A valid instance for the test and sensor models."""
-    return np.full((length, 8), value, dtype=np.float32).tolist()  # type: ignore[no-any-return]
+    rows: list[list[float]] = np.full((length, 8), value, dtype=np.float32).tolist()
+    return rows
 
 
 def tagged(item_id: int, length: int = 16, value: float = 0.5) -> list[list[float]]:

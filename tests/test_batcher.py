@@ -46,6 +46,9 @@ def config(**changes: object) -> BatcherConfig:
     return BatcherConfig(**base)  # type: ignore[arg-type]
 
 
+Start = Callable[..., tuple[Batcher, RecordingSink]]
+
+
 @pytest.fixture
 async def running() -> AsyncIterator[Callable[..., tuple[Batcher, RecordingSink]]]:
     tasks: list[asyncio.Task[None]] = []
@@ -72,14 +75,14 @@ def item(batcher: Batcher, length: int = 10, priority: int = NORMAL,
     return new
 
 
-async def test_size_trigger_dispatches_full_batch_before_the_wait(running) -> None:
+async def test_size_trigger_dispatches_full_batch_before_the_wait(running: Start) -> None:
     batcher, sink = running(max_wait_s=60.0)
     items = [item(batcher) for _ in range(4)]
     await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 5)
     assert [b.size for b in sink.batches] == [4]
 
 
-async def test_wait_trigger_dispatches_partial_batch(running) -> None:
+async def test_wait_trigger_dispatches_partial_batch(running: Start) -> None:
     batcher, sink = running(max_wait_s=0.01)
     items = [item(batcher) for _ in range(3)]
     results = await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 5)
@@ -87,7 +90,7 @@ async def test_wait_trigger_dispatches_partial_batch(running) -> None:
     assert [b.size for b in sink.batches] == [3]
 
 
-async def test_buckets_are_batched_apart_and_pad_to_their_longest(running) -> None:
+async def test_buckets_are_batched_apart_and_pad_to_their_longest(running: Start) -> None:
     batcher, sink = running()
     short = [item(batcher, length=n) for n in (3, 10)]
     long = [item(batcher, length=n) for n in (100, 300)]
@@ -98,7 +101,7 @@ async def test_buckets_are_batched_apart_and_pad_to_their_longest(running) -> No
     assert by_bucket[0].padding_ratio == pytest.approx(1 - 13 / 20)
 
 
-async def test_critical_items_are_taken_first(running) -> None:
+async def test_critical_items_are_taken_first(running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()
     batcher, _ = running(sink, max_inflight=1, max_batch_size=2)
@@ -112,7 +115,7 @@ async def test_critical_items_are_taken_first(running) -> None:
     assert [i.id for i in sink.batches[2].items] == [i.id for i in low]
 
 
-async def test_expired_items_are_answered_504_and_never_run(running) -> None:
+async def test_expired_items_are_answered_504_and_never_run(running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()
     batcher, _ = running(sink, max_inflight=1, max_batch_size=1)
@@ -129,7 +132,7 @@ async def test_expired_items_are_answered_504_and_never_run(running) -> None:
     assert doomed.id not in ran
 
 
-async def test_cancelled_item_is_dropped_before_dispatch(running) -> None:
+async def test_cancelled_item_is_dropped_before_dispatch(running: Start) -> None:
     batcher, sink = running(max_wait_s=0.02)
     gone, kept = item(batcher), item(batcher)
     gone.future.cancel()  # the caller disconnected
@@ -139,7 +142,7 @@ async def test_cancelled_item_is_dropped_before_dispatch(running) -> None:
     assert batcher.depth() == 0
 
 
-async def test_failed_batch_fails_only_its_items_and_the_loop_goes_on(running) -> None:
+async def test_failed_batch_fails_only_its_items_and_the_loop_goes_on(running: Start) -> None:
     sink = RecordingSink(fail_on=lambda b: any(i.length == 13 for i in b.items))
     batcher, _ = running(sink, max_wait_s=0.005)
     bad = item(batcher, length=13)
@@ -150,7 +153,7 @@ async def test_failed_batch_fails_only_its_items_and_the_loop_goes_on(running) -
     assert await asyncio.wait_for(good.future, 5) == good.id
 
 
-async def test_pipelining_is_bounded_by_max_inflight(running) -> None:
+async def test_pipelining_is_bounded_by_max_inflight(running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()
     batcher, _ = running(sink, max_inflight=2, max_batch_size=1, max_wait_s=0.0)
@@ -163,7 +166,7 @@ async def test_pipelining_is_bounded_by_max_inflight(running) -> None:
     assert sink.max_running == 2
 
 
-async def test_measures_batch_times_and_service_rate(running) -> None:
+async def test_measures_batch_times_and_service_rate(running: Start) -> None:
     batcher, sink = running()
     items = [item(batcher) for _ in range(8)]
     await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 5)
@@ -172,7 +175,7 @@ async def test_measures_batch_times_and_service_rate(running) -> None:
     assert batcher.rate.items_per_s == pytest.approx(4 / 0.001)
 
 
-async def test_standing_queue_serves_newest_first_and_sheds_old_non_critical(running) -> None:
+async def test_standing_queue_serves_newest_first_and_sheds_old_non_critical(running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()
     batcher, _ = running(sink, max_inflight=1, max_batch_size=1, max_wait_s=0.0,
@@ -193,7 +196,7 @@ async def test_standing_queue_serves_newest_first_and_sheds_old_non_critical(run
     assert order == [first.id, old_critical.id, new.id]
 
 
-async def test_wait_idle_returns_only_when_everything_is_answered(running) -> None:
+async def test_wait_idle_returns_only_when_everything_is_answered(running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()
     batcher, _ = running(sink)
@@ -206,7 +209,7 @@ async def test_wait_idle_returns_only_when_everything_is_answered(running) -> No
     assert all(i.future.done() for i in items)
 
 
-async def test_standing_queue_sweeps_stale_items_from_the_old_end(running) -> None:
+async def test_standing_queue_sweeps_stale_items_from_the_old_end(running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()
     batcher, _ = running(sink, max_inflight=1, max_batch_size=2, max_wait_s=0.0,

@@ -133,42 +133,51 @@ async def test_malformed_entries_go_to_dead_letter_and_the_reader_lives(
     assert metric(b, "vega_overflow_batches_total", direction="in") > stolen
 
 
-async def test_a_killed_thief_s_batch_is_reclaimed_and_answered(
-        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
-    env = {**CLUSTER_ENV, "VEGA_REDIS_URL": redis_server.url}
-    # A runs batches in 300 ms, and a marked one in 3.3 s; B hangs on a marked batch.
-    a = vega(VEGA_NODE_ID="A", TEST_SLEEP_MS="300", TEST_HANG_MS="3000", **env)
-    b = vega(VEGA_NODE_ID="B", TEST_HANG_MS="60000", **env)
-    wait_until(lambda: peers_of(a) == ["B"], 10, "heartbeats")
+async def hang_on_thief_then_kill_it(a: VegaProcess, b: VegaProcess,
+                                     redis_url: str) -> httpx.Response:
+    """Get a marked batch from A handed to B (which hangs on it), kill -9 B, await the answer.
+
+    A must run batches slowly (TEST_SLEEP_MS) and hang on marked ones (TEST_HANG_MS) so
+    that it is busy, cannot take the batch back from the stream, and hands it off.
+    """
     marked = window(2, 0.5)
     marked[0][0] = -FAIL_MARK
     async with httpx.AsyncClient(timeout=60) as client:
-        # A marked filler keeps A's executor busy (so A cannot take the next batch back
-        # from the stream itself); the marked request sent meanwhile is handed to B
-        # (A's predicted wait is long), which hangs on it.
         first = asyncio.ensure_future(send(a.url, [-FAIL_MARK]))
         await asyncio.to_thread(wait_until, lambda: httpx.get(a.url + "/v1/status").json()[
             "models"]["echo"]["inflight_batches"] > 0, 10, "A to be busy")
         hung = asyncio.ensure_future(client.post(a.url + "/v1/infer", json={
             "inputs": marked, "priority": "critical", "deadline_ms": 15000}))
-        held: Any = redis.Redis.from_url(redis_server.url)
+        held: Any = redis.Redis.from_url(redis_url)
         await asyncio.to_thread(wait_until, lambda: held.xpending_range(
             "vega:{echo}:overflow", "workers", "-", "+", 10, "B"), 10, "B to hold the batch")
         held.close()
-        assert outcomes(await first) == Counter(ok=1) and not hung.done()
         assert b.proc is not None
         b.proc.send_signal(signal.SIGKILL)
         b.proc.wait()
         answer = await hung
+        assert outcomes(await first) == Counter(ok=1)
+    return answer
+
+
+async def test_a_killed_thief_s_batch_is_reclaimed_and_answered(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
+    env = {**CLUSTER_ENV, "VEGA_REDIS_URL": redis_server.url}
+    a = vega(VEGA_NODE_ID="A", TEST_SLEEP_MS="300", TEST_HANG_MS="3000", **env)
+    b = vega(VEGA_NODE_ID="B", TEST_HANG_MS="60000", **env)
+    wait_until(lambda: peers_of(a) == ["B"], 10, "heartbeats")
+    answer = await hang_on_thief_then_kill_it(a, b, redis_server.url)
     assert answer.status_code == 200
     assert answer.json()["outputs"][0] == pytest.approx(-FAIL_MARK + 0.5 * 15)
     assert metric(a, "vega_overflow_events_total", event="reclaimed") == 1
     assert metric(a, "vega_requests_total") == 2
 
 
-async def test_redis_away_serves_locally_and_overflow_resumes(
-        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
-    env = {**CLUSTER_ENV, "VEGA_REDIS_URL": redis_server.url, "TEST_SLEEP_MS": "40"}
+async def overflowing_pair(vega: Callable[..., VegaProcess], redis_url: str
+                           ) -> tuple[VegaProcess, VegaProcess, list[float],
+                                      asyncio.Future[list[httpx.Response]]]:
+    """A and B sharing Redis, 240 requests on their way to A, A already overflowing."""
+    env = {**CLUSTER_ENV, "VEGA_REDIS_URL": redis_url, "TEST_SLEEP_MS": "40"}
     a = vega(VEGA_NODE_ID="A", **env)
     b = vega(VEGA_NODE_ID="B", **env)
     wait_until(lambda: peers_of(a) == ["B"], 10, "heartbeats")
@@ -176,6 +185,12 @@ async def test_redis_away_serves_locally_and_overflow_resumes(
     load = asyncio.ensure_future(send(a.url, values, concurrency=40, deadline_ms=5000))
     await asyncio.to_thread(wait_until, lambda: metric(
         a, "vega_overflow_batches_total", direction="out") > 0, 10, "overflow")
+    return a, b, values, load
+
+
+async def test_redis_away_serves_locally_and_overflow_resumes(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
+    a, b, values, load = await overflowing_pair(vega, redis_server.url)
     redis_server.stop()
     responses = await load
     counts = outcomes(responses)
@@ -223,14 +238,7 @@ async def test_nginx_spreads_requests_and_passes_429_through(
 
 async def test_slow_redis_times_out_to_local_serving_and_recovers(
         redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
-    env = {**CLUSTER_ENV, "VEGA_REDIS_URL": redis_server.url, "TEST_SLEEP_MS": "40"}
-    a = vega(VEGA_NODE_ID="A", **env)
-    b = vega(VEGA_NODE_ID="B", **env)
-    wait_until(lambda: peers_of(a) == ["B"], 10, "heartbeats")
-    values = [float(i % 50) for i in range(240)]
-    load = asyncio.ensure_future(send(a.url, values, concurrency=40, deadline_ms=5000))
-    await asyncio.to_thread(wait_until, lambda: metric(
-        a, "vega_overflow_batches_total", direction="out") > 0, 10, "overflow")
+    a, _b, values, load = await overflowing_pair(vega, redis_server.url)
     # Redis answers nothing for 1.5 s: every Vega call to it times out meanwhile.
     await asyncio.to_thread(redis_server.pause, 1.5)
     responses = await load

@@ -4,21 +4,26 @@ nothing in Vega assumes one host): overflow, a killed thief and a cut link, acro
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import redis
 
-from tests.models import FAIL_MARK, window
+from tests.models import FAIL_MARK
 from tests.netns import Hosts
 from tests.servers import VegaProcess, wait_until
-from tests.test_cluster import CLUSTER_ENV, check_outputs, metric, outcomes, send
+from tests.test_cluster import (
+    CLUSTER_ENV,
+    check_outputs,
+    hang_on_thief_then_kill_it,
+    metric,
+    outcomes,
+    send,
+)
 
 REDIS_PORT = 6390
 PASSWORD = "vega-test-password"
@@ -86,23 +91,7 @@ async def test_killed_thief_on_another_host_is_reclaimed(cluster: Cluster) -> No
     a = start("a", TEST_SLEEP_MS="300", TEST_HANG_MS="3000")
     b = start("b", TEST_HANG_MS="60000")
     wait_until(lambda: peers(a) == ["B"], 15, "heartbeats across hosts")
-    marked = window(2, 0.5)
-    marked[0][0] = -FAIL_MARK
-    async with httpx.AsyncClient(timeout=60) as client:
-        first = asyncio.ensure_future(send(a.url, [-FAIL_MARK]))
-        await asyncio.to_thread(wait_until, lambda: httpx.get(a.url + "/v1/status").json()[
-            "models"]["echo"]["inflight_batches"] > 0, 10, "A to be busy")
-        hung = asyncio.ensure_future(client.post(a.url + "/v1/infer", json={
-            "inputs": marked, "priority": "critical", "deadline_ms": 15000}))
-        held: Any = redis.Redis.from_url(url)
-        await asyncio.to_thread(wait_until, lambda: held.xpending_range(
-            "vega:{echo}:overflow", "workers", "-", "+", 10, "B"), 10, "B to hold the batch")
-        held.close()
-        assert b.proc is not None
-        b.proc.send_signal(signal.SIGKILL)
-        b.proc.wait()
-        answer = await hung
-        assert outcomes(await first) == Counter(ok=1)
+    answer = await hang_on_thief_then_kill_it(a, b, url)
     assert answer.status_code == 200
     assert answer.json()["outputs"][0] == pytest.approx(-FAIL_MARK + 0.5 * 15)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -103,7 +103,7 @@ def test_body_over_the_limit_is_413_declared_or_streamed(sensor: VegaProcess) ->
     response = post(sensor, big)
     assert response.status_code == 413 and error_of(response) == "payload_too_large"
 
-    def chunks() -> object:
+    def chunks() -> Iterator[bytes]:
         yield big[:1000]
         yield big[1000:]
 

@@ -64,7 +64,7 @@ def test_torchscript_model_loads_with_its_attributes(tmp_path: Path) -> None:
             return x.sum(dim=1) / lengths[:, None].to(x.dtype)
 
     path = tmp_path / "mean.pt"
-    torch.jit.script(Mean()).save(str(path))
+    torch.jit.script(Mean()).save(str(path))  # type: ignore[no-untyped-call]
     model = load_model(f"torchscript:{path}")
     model.load("cpu")
     assert (model.name, model.max_length) == ("mean", 10)

@@ -41,7 +41,14 @@ import orjson
 
 from vega import report as rep
 from vega import traffic
-from vega.traffic import OPTIONS, PRIORITIES, TrafficError, parse_bool, parse_deadlines, resolve
+from vega.traffic import (
+    OPTIONS,
+    PRIORITIES,
+    TrafficError,
+    parse_bool,
+    parse_deadlines,
+    resolve,
+)
 
 EXIT_NO_ANSWER = 1
 EXIT_USAGE = 2

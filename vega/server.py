@@ -319,7 +319,9 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    from vega.oip import oip_routes  # here, not at the top: vega.oip builds on this module
+    from vega.oip import (
+        oip_routes,  # here, not at the top: vega.oip builds on this module
+    )
 
     routes += oip_routes(api)
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[
