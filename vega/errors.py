@@ -17,7 +17,6 @@ STATUS_BY_CODE: dict[str, int] = {
     "model_error": 500,
     "not_ready": 503,
     "draining": 503,
-    "peer_lost": 503,
     "deadline_exceeded": 504,
 }
 
