@@ -47,16 +47,16 @@ class _Echo:
         if self.forward_log:
             with self.lock, open(self.forward_log, "a") as log:
                 log.write(f"{batch}\n")
-        if self.ledger:
-            ids = "".join(f"{int(v)}\n" for v in x[:, 0, 1].tolist())
-            with self.lock, open(self.ledger, "a") as ledger:
-                ledger.write(ids)
         if self.sleep_s or self.per_item_s:
             time.sleep(self.sleep_s + self.per_item_s * batch)
         if bool((x[:, 0, 0] == FAIL_MARK).any()):
             raise ValueError("test model asked to fail")
         if self.hang_s and bool((x[:, 0, 0] == -FAIL_MARK).any()):
             time.sleep(self.hang_s)
+        if self.ledger:  # a completed forward pass, not one killed half-way
+            ids = "".join(f"{int(v)}\n" for v in x[:, 0, 1].tolist())
+            with self.lock, open(self.ledger, "a") as ledger:
+                ledger.write(ids)
         total = x.sum(dim=(1, 2))
         return torch.stack([total, lengths.to(x.dtype),
                             torch.full_like(total, float(batch))], dim=1)
