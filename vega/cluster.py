@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         return 3
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="vega-cluster-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    # Nginx's workers run as an unprivileged user: they must be able to reach the sockets.
+    workdir.chmod(0o755)
     procs: list[subprocess.Popen[bytes]] = []
     signal.signal(signal.SIGTERM, _interrupt)
     try:
