@@ -84,6 +84,10 @@ class Books:
             twice = self.reruns(ran)
             if twice and not reruns_allowed:
                 found.append(f"{len(twice)} item(s) ran more than once: {twice[:10]}")
+            # "Not accepted" is the client's view; the ledger says whether Vega ran it.
+            dropped = {i for i, o in self.outcomes.items() if o == NOT_ACCEPTED} & set(ran)
+            if dropped:
+                found.append(f"{len(dropped)} request(s) ran but were never answered")
             never = self.ok_ids() - set(ran)
             if never:
                 found.append(f"{len(never)} 200(s) for items the model never ran")
@@ -154,15 +158,16 @@ async def _exchange(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | No
                  f"Content-Length: {len(request.body)}\r\n{extra}\r\n".encode() + request.body)
     try:
         status, close, body = await asyncio.wait_for(_response(reader), timeout_s)
-    except asyncio.IncompleteReadError as error:
+    except (asyncio.IncompleteReadError, ConnectionResetError) as error:
         writer.close()
-        if not error.partial:
+        # A reset carries no bytes of answer; neither does an EOF with nothing read.
+        if not getattr(error, "partial", b""):
             if not fresh:
                 # The server had closed this idle keep-alive connection before our request
                 # reached it: as every HTTP client does, retry once on a new connection.
                 return await _exchange(None, host, port, path, request, timeout_s)
-            # A new connection closed without a byte of answer: the kernel had queued it
-            # on a listener that was closing (a process exiting), so it was never read.
+            # A new connection closed (or reset) without a byte of answer: the kernel had
+            # queued it, or our request, on a socket the exiting process closed unread.
             return NOT_ACCEPTED, None
         return LOST, None
     except (OSError, TimeoutError, ValueError):
