@@ -39,8 +39,9 @@ def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Pat
         answers = [httpx.post(url + "/v1/infer", json={"inputs": window(4)}, timeout=30)
                    for _ in range(10)]
         assert [a.status_code for a in answers] == [200] * 10
-        status = httpx.get(url + "/v1/status", timeout=10).json()
-        assert len(status["peers"]) == 1  # the other process, seen through the local Redis
+        # Each process sees the other through the local Redis once a heartbeat has passed.
+        wait_until(lambda: len(httpx.get(url + "/v1/status", timeout=10).json()["peers"]) == 1,
+                   20, "the processes to see each other")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
