@@ -16,6 +16,7 @@ import pytest
 from tests.servers import VegaProcess
 from vega import loadgen, profile, simclock, simulate, traffic
 from vega.config import load_settings
+from vega.profile import LatencyModel
 
 PROFILE: dict[str, Any] = {  # 2 ms + 0.25 ms per item, whatever the length
     "model": "fake", "buckets": [16, 512], "sizes": [1, 32],
@@ -34,7 +35,7 @@ def arrivals(seed: int = 1, **options: Any) -> traffic.Arrivals:
 def run_sim(plan: traffic.Arrivals, seed: int = 1, processes: int = 1,
             overflow_after_ms: float | None = None, **env: str) -> dict[str, Any]:
     settings = load_settings(environ={"VEGA_WARMUP_BATCHES": "1", **env})
-    options = simulate.SimOptions(settings, simulate.LatencyModel.from_profile(PROFILE),
+    options = simulate.SimOptions(settings, LatencyModel.from_profile(PROFILE),
                                   processes=processes, seed=seed,
                                   overflow_after_ms=overflow_after_ms)
     result = simulate.simulate(options, plan.t_s.tolist(), plan.priority.tolist(),
@@ -85,7 +86,7 @@ def test_latency_model_interpolates_in_size_and_length() -> None:
     doc = {"buckets": [16, 64], "sizes": [1, 8],
            "seconds": {"16": {"1": {"p50": 0.001}, "8": {"p50": 0.002}},
                        "64": {"1": {"p50": 0.003}, "8": {"p50": 0.010}}}}
-    model = simulate.LatencyModel.from_profile(doc)
+    model = LatencyModel.from_profile(doc)
     assert model.seconds(16, 1) == pytest.approx(0.001)
     assert model.seconds(8, 1) == pytest.approx(0.001)  # shorter than profiled: as short
     assert model.seconds(40, 1) == pytest.approx(0.002)  # halfway between lengths
@@ -107,7 +108,7 @@ def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
             assert 0.001 <= times["p50"] <= times["p90"] < 0.5
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))
-    assert simulate.LatencyModel.from_file(path).seconds(16, 1) == doc["seconds"]["16"]["1"]["p50"]
+    assert LatencyModel.from_file(path).seconds(16, 1) == doc["seconds"]["16"]["1"]["p50"]
 
 
 # -- the simulator -------------------------------------------------------------------
@@ -241,7 +242,7 @@ async def test_simulator_matches_a_real_burst(vega: Callable[..., VegaProcess],
 
     plan = traffic.plan(options, np.random.default_rng(options["seed"]))
     sim_options = simulate.SimOptions(
-        settings, simulate.LatencyModel.from_profile(measured), seed=options["seed"],
+        settings, LatencyModel.from_profile(measured), seed=options["seed"],
         deadlines_s=traffic.parse_deadlines(str(options["deadline_ms"])))
     result = await asyncio.to_thread(simulate.simulate, sim_options, plan.t_s.tolist(),
                                      plan.priority.tolist(), plan.length.tolist())

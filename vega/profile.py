@@ -11,16 +11,20 @@ shape is run through ``Executor.run_sync`` in this thread: one untimed pass, the
 
 Bucket keys are the bucket's upper length bound: every item of a batch is padded
 to it, the worst case of that bucket, which is what the batcher predicts for too.
+``LatencyModel`` reads such a file back: the simulator's stand-in for the executor.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import math
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +141,63 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Batch seconds by (padded length, size), bilinear in both, from a ``vega profile`` file.
+
+    Lengths below the shortest profiled one cost as much as it; above the longest,
+    as much as the longest. Sizes past the largest profiled one extrapolate
+    linearly from the last two. With ``noise`` each draw is log-normal with the
+    profiled p50 as median and p90 as 90th percentile.
+    """
+
+    lengths: tuple[int, ...]
+    sizes: tuple[int, ...]
+    p50: tuple[tuple[float, ...], ...]  # [length index][size index]
+    p90: tuple[tuple[float, ...], ...]
+    model: str = ""
+
+    @classmethod
+    def from_profile(cls, doc: dict[str, Any]) -> LatencyModel:
+        lengths = tuple(int(b) for b in doc["buckets"])
+        sizes = tuple(int(s) for s in doc["sizes"])
+        seconds = doc["seconds"]
+        p50 = tuple(tuple(float(seconds[str(b)][str(s)]["p50"]) for s in sizes) for b in lengths)
+        p90 = tuple(tuple(float(seconds[str(b)][str(s)].get("p90", seconds[str(b)][str(s)]["p50"]))
+                          for s in sizes) for b in lengths)
+        return cls(lengths, sizes, p50, p90, str(doc.get("model", "")))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> LatencyModel:
+        return cls.from_profile(json.loads(Path(path).read_text()))
+
+    @property
+    def max_length(self) -> int:
+        return self.lengths[-1]
+
+    def seconds(self, length: int, size: int, table: str = "p50") -> float:
+        grid = self.p50 if table == "p50" else self.p90
+        i, wi = _weights(self.lengths, float(length), clamp_high=True)
+        j, wj = _weights(self.sizes, float(size), clamp_high=False)
+        low = grid[i][j] + wj * (grid[i][j + 1] - grid[i][j]) if wj else grid[i][j]
+        if not wi:
+            return max(0.0, low)
+        high = grid[i + 1][j] + wj * (grid[i + 1][j + 1] - grid[i + 1][j]) if wj else grid[i + 1][j]
+        return max(0.0, low + wi * (high - low))
+
+    def sigma(self, length: int, size: int) -> float:
+        """Log-normal shape putting p90 where the profile measured it."""
+        p50, p90 = self.seconds(length, size), self.seconds(length, size, "p90")
+        return math.log(p90 / p50) / 1.2815515655446004 if p90 > p50 > 0 else 0.0
+
+
+def _weights(points: tuple[int, ...], x: float, clamp_high: bool) -> tuple[int, float]:
+    """(index, weight) such that value = v[index] + weight * (v[index+1] - v[index])."""
+    if len(points) == 1 or x <= points[0]:
+        return 0, 0.0
+    if x >= points[-1] and clamp_high:
+        return len(points) - 1, 0.0
+    i = min(bisect.bisect_right(points, x) - 1, len(points) - 2)
+    return i, (x - points[i]) / (points[i + 1] - points[i])
