@@ -45,9 +45,13 @@ def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Pat
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failed assertion: let it stop its children, then kill
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     sockets = list(run_dir.glob("vega-*.sock"))
     assert len(sockets) <= 2
     for path in sockets:  # nothing listens any more
