@@ -6,6 +6,7 @@ tmp_path, is polled until it answers, and is stopped (and waited for) afterwards
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -18,6 +19,18 @@ import pytest
 
 from tests.servers import free_port, wait_until
 from vega.cluster import render_nginx
+
+
+def require(*programs: str) -> None:
+    """Skip when a program the test starts is missing, except in CI, which installs them
+    (scripts/system-deps): there a missing program is a broken setup, so the test fails."""
+    missing = [name for name in programs if shutil.which(name) is None]
+    if not missing:
+        return
+    why = f"{', '.join(missing)} not installed (scripts/system-deps installs it)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def _answers(port: int) -> bool:
@@ -63,8 +76,7 @@ class RedisServer:
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed (scripts/system-deps)")
+    require("redis-server")
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
@@ -115,8 +127,7 @@ class Nginx:
 @pytest.fixture
 def nginx(tmp_path: Path) -> Iterator[Callable[[Sequence[str]], Nginx]]:
     """Factory: ``nginx(["127.0.0.1:8001", "unix:/path.sock"])`` starts one in front of them."""
-    if shutil.which("nginx") is None:
-        pytest.skip("nginx not installed (scripts/system-deps)")
+    require("nginx")
     started: list[Nginx] = []
 
     def start(upstreams: Sequence[str]) -> Nginx:

@@ -13,14 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.infra import require
 from tests.models import window
 from tests.servers import ROOT, free_port, wait_until
 
 
 @pytest.mark.timeout(180)
 def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Path) -> None:
-    if shutil.which("nginx") is None or shutil.which("redis-server") is None:
-        pytest.skip("nginx and redis-server are needed (scripts/system-deps)")
+    require("nginx", "redis-server")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
     env.update(VEGA_MODEL="python:tests.models:echo", VEGA_TORCH_THREADS="1",

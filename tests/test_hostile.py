@@ -8,21 +8,15 @@ from collections.abc import Callable, Iterator
 import httpx
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.hostile import ALLOWED, SLOW, json_values
 from tests.models import window
 from tests.servers import VegaProcess
 
-ALLOWED = {200, 400, 413, 422, 429}
 HEADER_TEXT = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=80)
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=8) | st.dictionaries(st.text(max_size=8),
-                                                                      children, max_size=4),
-    max_leaves=60)
 rows = st.lists(st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(),
                           st.booleans(), st.none(), st.text(max_size=3)), min_size=0, max_size=10)
 windows = st.lists(rows, min_size=0, max_size=40)
@@ -46,9 +40,6 @@ def check(client: httpx.Client, content: bytes, headers: dict[str, str] | None =
         error = response.json()["error"]
         assert error["code"] and error["message"]
 
-
-SLOW = settings(max_examples=150, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @SLOW

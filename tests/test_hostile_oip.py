@@ -11,15 +11,13 @@ from collections.abc import Callable, Iterator
 import httpx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.hostile import ALLOWED, SLOW, json_values
 from tests.servers import VegaProcess
 
-ALLOWED = {200, 400, 413, 422, 429}
 PATH = "/v2/models/echo/infer"
-SLOW = settings(max_examples=150, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
 DATATYPES = st.sampled_from(["FP32", "FP64", "FP16", "INT32", "INT64", "BOOL", "BYTES", "fp32",
                              "", "FP8", "UINT8"])
 SHAPES = st.lists(st.integers(min_value=-3, max_value=600), min_size=0, max_size=4)
@@ -70,12 +68,6 @@ def test_truncated_tensors(client: httpx.Client, rows: int, length: int, cut: in
         "name": "INPUT__0", "datatype": "FP32", "shape": [rows, length, 8],
         "parameters": {"binary_data_size": len(x)}}]}, raw)
     check(client, body, {"Inference-Header-Content-Length": str(head_length)})
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda c: st.lists(c, max_size=6) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-    max_leaves=40)
 
 
 @SLOW

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.infra import require
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(240)
 def test_short_soak_keeps_the_books(tmp_path: Path) -> None:
-    if shutil.which("nginx") is None or shutil.which("redis-server") is None:
-        pytest.skip("nginx and redis-server are needed (scripts/system-deps)")
+    require("nginx", "redis-server")
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "soak.py"), "--seconds", "26", "--rate", "80",
          "--fault-every-s", "5", "--out", str(tmp_path)],

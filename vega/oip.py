@@ -31,6 +31,16 @@ from starlette.routing import Route
 import vega
 from vega.config import Settings
 from vega.errors import VegaError, invalid_input
+from vega.httpio import (
+    JSON,
+    count_answer,
+    disconnect_watch,
+    json_response,
+    parse_deadline_ms,
+    parse_json,
+    parse_priority,
+    read_body,
+)
 from vega.models import ModelAdapter, TensorSpec
 from vega.oip_binary import (
     as_datatype,
@@ -45,16 +55,6 @@ from vega.oip_binary import (
 from vega.oip_stats import model_stats
 from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES, SHEDDABLE
 from vega.runtime import Answer, ClientGone, Runtime
-from vega.server import (
-    JSON,
-    Api,
-    disconnect_watch,
-    json_response,
-    parse_deadline_ms,
-    parse_json,
-    parse_priority,
-    read_body,
-)
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "schedule_policy", "statistics")
@@ -63,9 +63,9 @@ UNSUPPORTED_PARAMETERS = ("sequence_id", "shared_memory_region", "classification
 CONFIG_TYPES = {"BYTES": "TYPE_STRING"}  # the model config's names: TYPE_ + datatype else
 
 
-def oip_routes(api: Api) -> list[Route]:
-    """The v2 routes; ``api`` is the /v1 API whose request counting they share."""
-    oip = OipApi(api)
+def oip_routes(runtime: Runtime) -> list[Route]:
+    """The v2 routes over ``runtime``, the same admission and batching path as /v1."""
+    oip = OipApi(runtime)
     routes = [
         Route("/v2", oip.server_metadata, methods=["GET"]),
         Route("/v2/health/live", oip.live, methods=["GET"]),
@@ -98,10 +98,9 @@ class InferRequest:
 
 
 class OipApi:
-    def __init__(self, api: Api) -> None:
-        self.api = api
-        self.runtime: Runtime = api.runtime
-        self.settings: Settings = api.settings
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.settings: Settings = runtime.settings
 
     async def server_metadata(self, request: Request) -> Response:
         return json_response({"name": "vega", "version": vega.__version__,
@@ -189,12 +188,12 @@ class OipApi:
                                          disconnect_watch(request.receive))
             response = infer_response(answer, parsed, adapter)
         except VegaError as error:
-            self.api.count(name, priority, error.code)
+            count_answer(self.runtime, name, priority, error.code)
             return error_response(error)
         except ClientGone:
-            self.api.count(name, priority, "disconnected")
+            count_answer(self.runtime, name, priority, "disconnected")
             return Response(status_code=499)
-        self.api.count(name, priority, "ok", loop.time() - started)
+        count_answer(self.runtime, name, priority, "ok", loop.time() - started)
         return response
 
     def _adapter(self, request: Request) -> ModelAdapter:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,79 +20,32 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive
 
 from vega.cache import ResponseCache, cache_key, models_to_cache
 from vega.config import Settings
-from vega.errors import REFUSALS, VegaError
+from vega.errors import VegaError
+from vega.httpio import (
+    JSON,
+    count_answer,
+    disconnect_watch,
+    error_response,
+    json_response,
+    parse_deadline_ms,
+    parse_json,
+    parse_priority,
+    read_body,
+)
 from vega.idempotency import Idempotency, Reply, fingerprint
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from vega.models import ModelAdapter
-from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
+from vega.oip import oip_routes
+from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME
 from vega.runtime import ClientGone, Runtime
 from vega.sideredis import SideRedis
 
 log = logging.getLogger("vega.server")
 
-JSON = "application/json"
 BODY_FIELDS = frozenset({"inputs", "instances", "priority", "deadline_ms", "id"})
-
-
-def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status,
-                    headers=headers, media_type=JSON)
-
-
-def error_response(error: VegaError) -> Response:
-    return json_response(error.body(), error.status, error.headers())
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, or 413 as soon as it is known to be over ``limit``."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise VegaError("invalid_json", "Content-Length is not a number")
-        if int(declared) > limit:
-            raise VegaError("payload_too_large", f"body over {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise VegaError("payload_too_large", f"body over {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_json(body: bytes) -> Any:
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise VegaError("invalid_json", f"body is not JSON: {exc}") from None
-
-
-def parse_priority(value: Any, default: int = NORMAL) -> int:
-    if value is None:
-        return default
-    if isinstance(value, str) and value.strip().lower() in PRIORITY_BY_NAME:
-        return PRIORITY_BY_NAME[value.strip().lower()]
-    raise VegaError("invalid_input", f"priority must be one of {', '.join(PRIORITY_NAMES)}")
-
-
-def parse_deadline_ms(value: Any, settings: Settings) -> float:
-    """A positive number of milliseconds, capped at VEGA_MAX_DEADLINE_MS."""
-    if value is None:
-        return settings.default_deadline_ms
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            value = None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value <= 0:
-        raise VegaError("invalid_input", "deadline_ms must be a positive number of milliseconds")
-    return float(min(value, settings.max_deadline_ms))
 
 
 def parse_infer_body(doc: Any, request: Request, settings: Settings
@@ -116,16 +68,6 @@ def parse_infer_body(doc: Any, request: Request, settings: Settings
     deadline_ms = parse_deadline_ms(doc.get("deadline_ms",
                                             request.headers.get("x-vega-deadline-ms")), settings)
     return instances, single, priority, deadline_ms
-
-
-def disconnect_watch(receive: Receive) -> Callable[[], Awaitable[None]]:
-    """After the body is read, the next ASGI message can only be the disconnect."""
-    async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-    return watch
 
 
 @dataclass(frozen=True)
@@ -196,8 +138,8 @@ class Api:
     async def answer(self, call: Call) -> Reply:
         """Run ``call`` through the cache and the runtime; every outcome as a Reply."""
         cache = self.cache if self.cache is not None and self.cache.covers(call.model) else None
-        control = {part.strip() for part in
-                   call.request.headers.get("cache-control", "").lower().split(",")}
+        control = set() if cache is None else {
+            part.strip() for part in call.request.headers.get("cache-control", "").lower().split(",")}
         key = None
         if cache is not None and "no-store" not in control:
             version = self.runtime.models[call.model].adapter.version
@@ -252,14 +194,7 @@ class Api:
         return Reply(error.status, orjson.dumps(error.body()), error.headers(), error.code)
 
     def count(self, model: str, priority: int, outcome: str, seconds: float | None = None) -> None:
-        metrics = self.runtime.metrics
-        model = model if model in self.runtime.models else "_unknown"
-        label = PRIORITY_NAMES[priority]
-        metrics.requests.labels(model, label, outcome).inc()
-        if outcome in REFUSALS:
-            metrics.rejections.labels(model, label, outcome).inc()
-        if seconds is not None:
-            metrics.request_seconds.labels(model).observe(seconds)
+        count_answer(self.runtime, model, priority, outcome, seconds)
 
     async def healthz(self, request: Request) -> Response:
         return json_response({"status": "ok"})
@@ -319,11 +254,7 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    from vega.oip import (
-        oip_routes,  # here, not at the top: vega.oip builds on this module
-    )
-
-    routes += oip_routes(api)
+    routes += oip_routes(runtime)
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[
         Middleware(RequestIdMiddleware),
         Middleware(BearerAuthMiddleware, tokens=settings.auth_tokens.split(","),

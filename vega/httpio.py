@@ -1,0 +1,101 @@
+"""Reading requests and writing answers, shared by the /v1 and /v2 routes.
+
+Size-limited body reading, JSON parsing, the priority and deadline rules, the error
+response, the disconnect watch, and counting every answer by outcome.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive
+
+from vega.config import Settings
+from vega.errors import REFUSALS, VegaError
+from vega.records import NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
+from vega.runtime import ClientGone, Runtime
+
+JSON = "application/json"
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status,
+                    headers=headers, media_type=JSON)
+
+
+def error_response(error: VegaError) -> Response:
+    return json_response(error.body(), error.status, error.headers())
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or 413 as soon as it is known to be over ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise VegaError("invalid_json", "Content-Length is not a number")
+        if int(declared) > limit:
+            raise VegaError("payload_too_large", f"body over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise VegaError("payload_too_large", f"body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise VegaError("invalid_json", f"body is not JSON: {exc}") from None
+
+
+def parse_priority(value: Any, default: int = NORMAL) -> int:
+    if value is None:
+        return default
+    if isinstance(value, str) and value.strip().lower() in PRIORITY_BY_NAME:
+        return PRIORITY_BY_NAME[value.strip().lower()]
+    raise VegaError("invalid_input", f"priority must be one of {', '.join(PRIORITY_NAMES)}")
+
+
+def parse_deadline_ms(value: Any, settings: Settings) -> float:
+    """A positive number of milliseconds, capped at VEGA_MAX_DEADLINE_MS."""
+    if value is None:
+        return settings.default_deadline_ms
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value <= 0:
+        raise VegaError("invalid_input", "deadline_ms must be a positive number of milliseconds")
+    return float(min(value, settings.max_deadline_ms))
+
+
+def disconnect_watch(receive: Receive) -> Callable[[], Awaitable[None]]:
+    """After the body is read, the next ASGI message can only be the disconnect."""
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+    return watch
+
+
+def count_answer(runtime: Runtime, model: str, priority: int, outcome: str,
+                 seconds: float | None = None) -> None:
+    """One answer in the metrics: its outcome, a refusal's reason, a 200's time."""
+    metrics = runtime.metrics
+    model = model if model in runtime.models else "_unknown"
+    label = PRIORITY_NAMES[priority]
+    metrics.requests.labels(model, label, outcome).inc()
+    if outcome in REFUSALS:
+        metrics.rejections.labels(model, label, outcome).inc()
+    if seconds is not None:
+        metrics.request_seconds.labels(model).observe(seconds)
