@@ -90,6 +90,26 @@ async def test_wait_trigger_dispatches_partial_batch(running: Start) -> None:
     assert [b.size for b in sink.batches] == [3]
 
 
+async def test_idle_executor_gets_what_is_queued_at_once(running: Start) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=60.0)
+    first = item(batcher)
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)  # not after 60 s
+    later = [item(batcher) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    # The thread is busy: the two wait for a trigger, a free thread being one.
+    assert len(sink.batches) == 1 and batcher.depth() == 2
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in [first, *later])), 5)
+    assert [b.size for b in sink.batches] == [1, 2]
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
 async def test_buckets_are_batched_apart_and_pad_to_their_longest(running: Start) -> None:
     batcher, sink = running()
     short = [item(batcher, length=n) for n in (3, 10)]

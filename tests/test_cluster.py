@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -16,7 +15,7 @@ import redis
 
 from tests.infra import Nginx, RedisServer
 from tests.models import FAIL_MARK, window
-from tests.servers import VegaProcess, wait_until
+from tests.servers import VegaProcess, metric, wait_until
 
 CLUSTER_ENV = {
     "VEGA_MODEL": "python:tests.models:echo", "VEGA_MAX_BATCH_SIZE": "4",
@@ -25,19 +24,6 @@ CLUSTER_ENV = {
 }
 # What a request may get besides its answer when Redis dies under it (DESIGN.md table).
 EXPLICIT = {"deadline_exceeded", "model_error"}
-
-
-def metric(proc: VegaProcess, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in httpx.get(proc.url + "/metrics", timeout=5).text.splitlines():
-        match = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
-        if match is None or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(match.group(3))
-    return total
 
 
 def peers_of(proc: VegaProcess) -> list[str]:

@@ -15,12 +15,11 @@ import redis
 
 from tests.models import FAIL_MARK
 from tests.netns import Hosts
-from tests.servers import VegaProcess, wait_until
+from tests.servers import VegaProcess, metric, wait_until
 from tests.test_cluster import (
     CLUSTER_ENV,
     check_outputs,
     hang_on_thief_then_kill_it,
-    metric,
     outcomes,
     send,
 )

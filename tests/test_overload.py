@@ -13,7 +13,7 @@ import httpx
 import orjson
 
 from tests.models import window
-from tests.servers import VegaProcess, wait_until
+from tests.servers import VegaProcess, metric, wait_until
 
 BODY = orjson.dumps({"inputs": window(16)})
 
@@ -148,3 +148,21 @@ def test_disconnected_caller_is_dropped_before_dispatch(vega: Callable[..., Vega
         return metrics if 'outcome="disconnected"' in metrics else ""
     metrics = wait_until(counted, 10, "the disconnect to be counted")
     assert 'vega_batch_size_count{model="echo"} 1.0' in metrics  # only the first one ran
+
+
+async def test_refusals_past_the_refusal_rate_are_held_for_their_turn(
+        vega: Callable[..., VegaProcess]) -> None:
+    paced = vega(VEGA_MODEL="python:tests.models:echo", VEGA_RATE_LIMIT="1", VEGA_BURST="1",
+                 VEGA_REFUSAL_RATE="20", VEGA_REFUSAL_MAX_HOLD_MS="5000")
+    unpaced = vega(VEGA_MODEL="python:tests.models:echo", VEGA_RATE_LIMIT="1", VEGA_BURST="1",
+                   VEGA_REFUSAL_RATE="0")
+    for server, held in ((paced, True), (unpaced, False)):
+        responses = await fire(server.url, [BODY] * 40)
+        seen = codes(responses)
+        assert set(seen) <= {"ok", "rate_limited"} and seen["rate_limited"] >= 38, seen
+        for r in responses:
+            assert isinstance(r, httpx.Response)
+            assert r.status_code == 200 or int(r.headers["retry-after"]) >= 1
+        # 40 refusals at once against 20 a second: all but the first few wait a turn.
+        count = metric(server, "vega_refusals_paced_total")
+        assert count >= 30 if held else count == 0, (held, count)

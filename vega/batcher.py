@@ -2,7 +2,9 @@
 
 Items wait in one deque per (length bucket, priority). The loop wakes on events
 only: an enqueue, a timer set for the moment the oldest item's wait runs out, or a
-finished batch freeing a pipeline slot. A batch takes items from one bucket,
+finished batch freeing a pipeline slot. A batch is due when it is full, when its
+oldest item has waited ``max_wait_s``, or (``dispatch_when_idle``) at once while an
+executor thread has nothing to run. A batch takes items from one bucket,
 critical first, so it pads only to its own longest item. Formed batches go to an
 injected ``sink`` (the executor, or the overflow channel); the batcher knows
 neither HTTP nor torch nor Redis.
@@ -38,6 +40,9 @@ class BatcherConfig:
     max_batch_size: int
     max_wait_s: float
     max_inflight: int
+    # Work-conserving: an idle executor thread gets what is queued now. Waiting for a
+    # fuller batch only pays while the threads are busy; idle, it is latency for nothing.
+    dispatch_when_idle: bool = False
     parallelism: int = 1  # executor threads running batches at once
     standing_after_s: float = 0.1  # CoDel interval (DESIGN.md rule 5)
 
@@ -192,6 +197,7 @@ class Batcher:
         best: tuple[int, float] | None = None
         chosen = None
         wake_at: float | None = None
+        idle = self.config.dispatch_when_idle and len(self._inflight) < self.config.parallelism
         for bucket, queues in enumerate(self._queues):
             if not self._bucket_depth[bucket]:
                 continue
@@ -202,7 +208,7 @@ class Batcher:
                 continue
             oldest = min(item.enqueued_at for item in heads if item is not None)
             ready_at = oldest + self.config.max_wait_s
-            if self._bucket_depth[bucket] >= self.config.max_batch_size or ready_at <= now:
+            if idle or ready_at <= now or self._bucket_depth[bucket] >= self.config.max_batch_size:
                 top = next(p for p, item in enumerate(heads) if item is not None)
                 key = (top, oldest)
                 if best is None or key < best:
@@ -271,6 +277,7 @@ class Batcher:
     def _finished(self, batch: Batch, done: asyncio.Future[None]) -> None:
         self._inflight.discard(done)
         self._slots.release()
+        self._wake.set()  # a thread is free: under dispatch_when_idle, a batch is due now
         self._maybe_idle()
         error = None if done.cancelled() else done.exception()
         if error is not None:

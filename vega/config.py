@@ -149,6 +149,9 @@ SPECS: tuple[Spec, ...] = (
          "A batch is dispatched when it reaches this many items..."),
     Spec("max_wait_ms", "5", _float(0, 10_000), "a number 0-10000",
          "...or when its oldest item has waited this long."),
+    Spec("dispatch_when_idle", "true", _bool, "true or false",
+         "While an executor thread has no batch, dispatch what is queued at once "
+         "(the size and wait triggers apply while all are busy)."),
     Spec("length_buckets", "16,32,64,128,256,512", _buckets,
          "increasing positive integers, comma separated",
          "Upper bounds of the length buckets; a batch pads only to its own longest item."),
@@ -166,6 +169,11 @@ SPECS: tuple[Spec, ...] = (
          "shortest bucket); 0 = off."),
     Spec("burst", "0", _float(0), "a number >= 0",
          "Token bucket size in cost units (0 = one second of VEGA_RATE_LIMIT)."),
+    Spec("refusal_rate", "500", _float(0), "a number >= 0",
+         "429s answered at once per second; beyond it each waits its turn, so callers "
+         "ignoring Retry-After cannot swamp the loop (0 = off)."),
+    Spec("refusal_max_hold_ms", "2000", _float(0, 60_000), "a number 0-60000",
+         "Longest a paced 429 is held before it is sent."),
     Spec("default_deadline_ms", "1000", _float(1), "a number >= 1",
          "Deadline of a request that names none."),
     Spec("max_deadline_ms", "30000", _float(1), "a number >= 1",
@@ -255,6 +263,7 @@ class Settings:
     warmup_batches: int
     max_batch_size: int
     max_wait_ms: float
+    dispatch_when_idle: bool
     length_buckets: tuple[int, ...]
     max_inflight_batches: int
     queue_capacity: int
@@ -262,6 +271,8 @@ class Settings:
     normal_watermark: float
     rate_limit: float
     burst: float
+    refusal_rate: float
+    refusal_max_hold_ms: float
     default_deadline_ms: float
     max_deadline_ms: float
     deadline_margin_ms: float

@@ -6,6 +6,7 @@ response, the disconnect watch, and counting every answer by outcome.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -86,6 +87,14 @@ def disconnect_watch(receive: Receive) -> Callable[[], Awaitable[None]]:
             if message["type"] == "http.disconnect":
                 raise ClientGone()
     return watch
+
+
+async def pace_refusal(runtime: Runtime, model: str, code: str) -> None:
+    """Hold a refusal until its turn under VEGA_REFUSAL_RATE (vega/pacing.py)."""
+    hold = runtime.pacer.hold(code, asyncio.get_running_loop().time())
+    if hold > 0:
+        runtime.metrics.paced.labels(model if model in runtime.models else "_unknown").inc()
+        await asyncio.sleep(hold)
 
 
 def count_answer(runtime: Runtime, model: str, priority: int, outcome: str,

@@ -25,6 +25,9 @@ class Metrics:
                                 ["model", "priority", "outcome"], registry=r)
         self.rejections = Counter("vega_rejections_total", "Requests refused, by reason",
                                   ["model", "priority", "reason"], registry=r)
+        self.paced = Counter("vega_refusals_paced_total",
+                             "Refusals held for their turn (VEGA_REFUSAL_RATE)", ["model"],
+                             registry=r)
         self.queue_depth = Gauge("vega_queue_depth", "Items queued", ["model", "priority"],
                                  registry=r)
         self.queue_wait = Histogram("vega_queue_wait_seconds", "Time an item waited to be batched",

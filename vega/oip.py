@@ -36,6 +36,7 @@ from vega.httpio import (
     count_answer,
     disconnect_watch,
     json_response,
+    pace_refusal,
     parse_deadline_ms,
     parse_json,
     parse_priority,
@@ -189,6 +190,7 @@ class OipApi:
             response = infer_response(answer, parsed, adapter)
         except VegaError as error:
             count_answer(self.runtime, name, priority, error.code)
+            await pace_refusal(self.runtime, name, error.code)
             return error_response(error)
         except ClientGone:
             count_answer(self.runtime, name, priority, "disconnected")

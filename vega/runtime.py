@@ -24,6 +24,7 @@ from vega.executor import Executor, pick_device
 from vega.metrics import Metrics
 from vega.models import ModelAdapter, load_model
 from vega.models.loader import ModelLoadError
+from vega.pacing import RefusalPacer
 from vega.records import PRIORITY_BY_NAME, PRIORITY_NAMES, Batch, Item
 from vega.streams import Streams
 
@@ -82,6 +83,7 @@ class Runtime:
         self._quiet = asyncio.Event()
         self._quiet.set()
         self.streams: Streams | None = None  # overflow to peers, with VEGA_REDIS_URL
+        self.pacer = RefusalPacer(settings.refusal_rate, settings.refusal_max_hold_ms / 1000)
         self._local_batches = 0  # batches given to this process's executor, not yet done
 
     # -- lifecycle -----------------------------------------------------------------
@@ -445,6 +447,7 @@ def batcher_config(s: Settings, model: str, max_length: int) -> BatcherConfig:
     return BatcherConfig(
         model=model, buckets=_buckets_for(s.length_buckets, max_length),
         max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
+        dispatch_when_idle=s.dispatch_when_idle,
         max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
         standing_after_s=s.codel_interval_ms / 1000)
 

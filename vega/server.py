@@ -30,6 +30,7 @@ from vega.httpio import (
     disconnect_watch,
     error_response,
     json_response,
+    pace_refusal,
     parse_deadline_ms,
     parse_json,
     parse_priority,
@@ -132,6 +133,7 @@ class Api:
             reply = self.refusal(request, error)
         self.count(name, priority, reply.outcome,
                    loop.time() - started if reply.outcome == "ok" else None)
+        await pace_refusal(runtime, name, reply.outcome)
         return Response(reply.body, reply.status, headers=reply.headers,
                         media_type=JSON if reply.body else None)
 
