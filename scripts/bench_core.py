@@ -80,7 +80,8 @@ def bench(port: int, connections: int, seconds: float, length: int, out: Path,
                     "--lengths", str(length), "--mix", "normal=1", "--deadline-ms", "5000",
                     "--out", str(out), "--no-progress",
                     "--honor-retry-after" if polite else "--no-honor-retry-after"],
-                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                   timeout=seconds + 120)  # a stuck run fails loudly instead of hanging
     report: dict[str, Any] = json.loads((out / "report.json").read_text())
     return report
 

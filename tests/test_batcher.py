@@ -162,6 +162,19 @@ async def test_cancelled_item_is_dropped_before_dispatch(running: Start) -> None
     assert batcher.depth() == 0
 
 
+async def test_item_whose_caller_hung_up_is_cancelled_at_dispatch(running: Start) -> None:
+    batcher, sink = running(max_wait_s=0.02)
+    hung_up = False
+    gone, kept = item(batcher), item(batcher)
+    gone.gone = lambda: hung_up
+    hung_up = True  # after enqueue: the batcher finds out when it looks, not before
+    await asyncio.wait_for(kept.future, 5)
+    assert [i.id for b in sink.batches for i in b.items] == [kept.id]
+    assert gone.future.cancelled()
+    await asyncio.sleep(0)  # the done callback that fixes the counts
+    assert batcher.depth() == 0
+
+
 async def test_failed_batch_fails_only_its_items_and_the_loop_goes_on(running: Start) -> None:
     sink = RecordingSink(fail_on=lambda b: any(i.length == 13 for i in b.items))
     batcher, _ = running(sink, max_wait_s=0.005)

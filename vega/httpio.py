@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -19,7 +19,7 @@ from starlette.types import Receive
 from vega.config import Settings
 from vega.errors import REFUSALS, VegaError
 from vega.records import NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
-from vega.runtime import ClientGone, Runtime
+from vega.runtime import Runtime
 
 JSON = "application/json"
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -79,14 +79,19 @@ def parse_deadline_ms(value: Any, settings: Settings) -> float:
     return float(min(value, settings.max_deadline_ms))
 
 
-def disconnect_watch(receive: Receive) -> Callable[[], Awaitable[None]]:
-    """After the body is read, the next ASGI message can only be the disconnect."""
-    async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-    return watch
+def hung_up(receive: Receive) -> Callable[[], bool] | None:
+    """A cheap "has the caller hung up?" where the server offers one, else None.
+
+    uvicorn's request cycle (whose bound ``receive`` Starlette passes through) keeps a
+    ``disconnected`` flag that its connection_lost sets. Reading it costs nothing, where
+    a task per request awaiting the disconnect message cost ~15% of the loop's time per
+    request (measured with wrk at 64 connections). Under other servers callers that
+    hang up are not noticed before their items run; their answers are dropped.
+    """
+    cycle: Any = getattr(receive, "__self__", None)
+    if not isinstance(getattr(cycle, "disconnected", None), bool):
+        return None
+    return lambda: bool(cycle.disconnected)
 
 
 async def pace_refusal(runtime: Runtime, model: str, code: str) -> None:

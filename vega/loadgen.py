@@ -422,8 +422,11 @@ def depth_snapshot(t: float, status: dict[str, Any]) -> dict[str, Any]:
 
 
 async def poll_status(engine: Engine, every_s: float, out: list[dict[str, Any]]) -> None:
-    """Queue depth per class from /v1/status until cancelled; stops on the first failure."""
-    while True:
+    """Queue depth per class from /v1/status until the run stops; stops on a 404."""
+    # Checks ``stopping`` as well as being cancelled: Python 3.11's wait_for (in
+    # http_get) can swallow a cancel that lands as its call completes, and this loop
+    # then polled on for ever while the run waited for it (seen once in bench_core).
+    while not engine.stopping:
         t = time.perf_counter() - engine.start
         try:
             status, body = await http_get(engine.target, "/v1/status", max(1.0, every_s))
@@ -527,6 +530,7 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
             await offer(engine, arrivals.t_s.tolist(), sequence)
         await settle(engine, options["drain_s"])
     finally:
+        engine.stopping = True
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)

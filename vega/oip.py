@@ -34,7 +34,7 @@ from vega.errors import VegaError, invalid_input
 from vega.httpio import (
     JSON,
     count_answer,
-    disconnect_watch,
+    hung_up,
     json_response,
     pace_refusal,
     parse_deadline_ms,
@@ -186,7 +186,7 @@ class OipApi:
             parsed = parse_request(body, request.headers, adapter, self.settings)
             priority = parsed.priority
             answer = await runtime.infer(name, parsed.instances, priority, parsed.deadline_ms,
-                                         disconnect_watch(request.receive))
+                                         hung_up(request.receive))
             response = infer_response(answer, parsed, adapter)
         except VegaError as error:
             count_answer(self.runtime, name, priority, error.code)

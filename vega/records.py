@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,11 +38,21 @@ class Item:
     bucket: int = 0  # index into the model's length buckets
     cost: float = 1.0  # admission cost units
     id: int = field(default_factory=lambda: next(_ids))
+    gone: Callable[[], bool] | None = None  # true once the caller hung up; cheap to ask
 
     @property
     def live(self) -> bool:
-        """False once answered, cancelled (caller gone) or timed out."""
-        return not self.future.done()
+        """False once answered, timed out or cancelled, or once its caller hung up.
+
+        A hung-up caller's item is cancelled here, where the batcher looks before
+        dispatch, rather than watched by a task per request all along.
+        """
+        if self.future.done():
+            return False
+        if self.gone is not None and self.gone():
+            self.future.cancel()  # nobody is left to read the answer
+            return False
+        return True
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,7 +206,7 @@ class Runtime:
 
     async def infer(self, model: str | None, instances: Sequence[Any], priority: int,
                     deadline_ms: float,
-                    disconnected: Callable[[], Awaitable[None]] | None = None) -> Answer:
+                    gone: Callable[[], bool] | None = None) -> Answer:
         """Admit, queue and await ``instances``; raise VegaError or ClientGone."""
         self.check_open()
         asked = self.served(model)
@@ -225,12 +225,12 @@ class Runtime:
             bucket = batcher.bucket_of(length)
             items.append(Item(model=served.adapter.name, sample=sample, length=length,
                               priority=priority, deadline=deadline, future=loop.create_future(),
-                              bucket=bucket, cost=cost))
+                              bucket=bucket, cost=cost, gone=gone))
         self._opened()
         try:
             for item in items:
                 batcher.enqueue(item)
-            answer = await _await_items(items, deadline, disconnected)
+            answer = await _await_items(items, deadline)
         finally:
             self._closed()
         answer.model, answer.degraded = served.adapter.name, served is not asked
@@ -395,21 +395,17 @@ class Runtime:
         return counts
 
 
-async def _await_items(items: list[Item], deadline: float,
-                       disconnected: Callable[[], Awaitable[None]] | None) -> Answer:
+async def _await_items(items: list[Item], deadline: float) -> Answer:
     loop = asyncio.get_running_loop()
     # One future for all items: done when all are, or at the first failure.
     answered: asyncio.Future[Any] = (items[0].future if len(items) == 1 else
                                      asyncio.gather(*(item.future for item in items)))
-    watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
-    waiting = {answered} if watcher is None else {answered, watcher}
     try:
-        await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
-                           return_when=asyncio.FIRST_COMPLETED)
-        if not answered.done() and watcher is not None and watcher.done():
-            raise ClientGone() from (None if watcher.cancelled() else watcher.exception())
+        await asyncio.wait((answered,), timeout=max(0.0, deadline - loop.time()))
+        if any(item.future.cancelled() for item in items):
+            raise ClientGone()  # only a hung-up caller's items are cancelled (Item.live)
         for item in items:  # the first failure in request order is the answer
-            if item.future.done() and not item.future.cancelled() and item.future.exception():
+            if item.future.done() and item.future.exception():
                 raise _as_vega_error(item.future.exception())
         if not answered.done():
             raise VegaError("deadline_exceeded", "deadline passed before the answer was ready")
@@ -423,10 +419,6 @@ async def _await_items(items: list[Item], deadline: float,
         if answered is not items[0].future and answered.done() and not answered.cancelled():
             answered.exception()
         answered.cancel()
-        if watcher is not None:
-            if watcher.done() and not watcher.cancelled():
-                watcher.exception()
-            watcher.cancel()
 
 
 def _as_vega_error(error: BaseException | None) -> VegaError:

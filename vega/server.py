@@ -27,8 +27,8 @@ from vega.errors import VegaError
 from vega.httpio import (
     JSON,
     count_answer,
-    disconnect_watch,
     error_response,
+    hung_up,
     json_response,
     pace_refusal,
     parse_deadline_ms,
@@ -153,7 +153,7 @@ class Api:
         try:
             answer = await self.runtime.infer(call.model, call.instances, call.priority,
                                               call.deadline_ms,
-                                              disconnect_watch(call.request.receive))
+                                              hung_up(call.request.receive))
         except VegaError as error:
             return self.refusal(call.request, error)
         except ClientGone:
