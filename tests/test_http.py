@@ -12,6 +12,7 @@ import pytest
 
 from tests.models import FAIL_MARK, window
 from tests.servers import VegaProcess
+from vega.server import infer_path_params
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,24 @@ def test_bad_input_is_a_clear_4xx(sensor: VegaProcess, body: object, code: str) 
     response = post(sensor, body)
     assert response.status_code == {"invalid_json": 400, "invalid_input": 422}[code]
     assert error_of(response) == code
+
+
+def test_inference_paths_answer_only_post_and_real_paths(sensor: VegaProcess) -> None:
+    # POSTs to the inference paths skip Starlette's router (vega/server.py HotRoutes);
+    # anything else must still get what the router says.
+    assert httpx.get(sensor.url + "/v1/infer").status_code == 405
+    assert httpx.get(sensor.url + "/v1/models/sensor/infer").status_code == 405
+    for path in ("/v1/models/a/b/infer", "/v1/models//infer", "/v1/infer/"):
+        assert post(sensor, {"inputs": window(4)}, path=path).status_code in (404, 307), path
+    assert post(sensor, {"inputs": window(4)}, path="/v1/infer").status_code == 200
+
+
+@pytest.mark.parametrize(("path", "params"), [
+    ("/v1/infer", {}), ("/v1/models/sensor/infer", {"name": "sensor"}),
+    ("/v1/models/a/b/infer", None), ("/v1/models//infer", None), ("/v1/inferx", None),
+    ("/v2/models/sensor/infer", None)])
+def test_infer_path_params(path: str, params: dict[str, str] | None) -> None:
+    assert infer_path_params(path) == params
 
 
 def test_bad_priority_header_is_422(sensor: VegaProcess) -> None:

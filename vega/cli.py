@@ -93,7 +93,7 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = create_app(settings)
+        app, runtime = create_app(settings)
     except ModelLoadError as error:
         print(f"vega: {error}", file=sys.stderr)
         return EXIT_STARTUP
@@ -102,9 +102,9 @@ def serve(settings: Settings) -> int:
     config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on",
                             access_log=settings.access_log, log_level=settings.log_level,
                             timeout_keep_alive=75, proxy_headers=False, **options)
-    server = DrainingServer(config, app.state.runtime)
+    server = DrainingServer(config, runtime)
     server.run()
-    failed = not server.started or app.state.runtime.failed is not None
+    failed = not server.started or runtime.failed is not None
     return EXIT_STARTUP if failed else 0
 
 

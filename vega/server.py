@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vega.cache import ResponseCache, cache_key, models_to_cache
 from vega.config import Settings
@@ -233,8 +233,8 @@ def describe(adapter: ModelAdapter, settings: Settings) -> dict[str, Any]:
 
 
 def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
-               runtime: Runtime | None = None) -> Starlette:
-    """The ASGI app; its lifespan starts the runtime (warm-up) and stops it."""
+               runtime: Runtime | None = None) -> tuple[ASGIApp, Runtime]:
+    """The ASGI app and the runtime it serves; the app's lifespan starts (warm-up) and stops it."""
     runtime = runtime or Runtime(settings, adapters)
     api = Api(runtime)
 
@@ -257,10 +257,44 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
     routes += oip_routes(runtime)
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[
-        Middleware(RequestIdMiddleware),
-        Middleware(BearerAuthMiddleware, tokens=settings.auth_tokens.split(","),
-                   open_paths=[p.strip() for p in settings.auth_open_paths.split(",")]),
-    ])
-    app.state.runtime = runtime
-    return app
+    app: ASGIApp = HotRoutes(Starlette(routes=routes, lifespan=lifespan), api.infer)
+    app = BearerAuthMiddleware(app, tokens=settings.auth_tokens.split(","),
+                               open_paths=[p.strip() for p in settings.auth_open_paths.split(",")])
+    return RequestIdMiddleware(app), runtime
+
+
+class HotRoutes:
+    """POSTs to the /v1 inference paths go straight to their handler.
+
+    Starlette's router, request/response wrapping and two exception layers took about
+    a fifth of an inference request's event-loop time (loop CPU per request with wrk at
+    64 connections: 312 us through them, 230-277 us past them). The handler answers
+    every error itself, so skipping them loses nothing; any other request, and the
+    lifespan, goes to the Starlette app, which still routes these paths for other methods.
+    """
+
+    def __init__(self, app: ASGIApp, infer: Callable[[Request], Awaitable[Response]]) -> None:
+        self.app = app
+        self.infer = infer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            params = infer_path_params(scope["path"])
+            if params is not None:
+                scope["path_params"] = params
+                response = await self.infer(Request(scope, receive, send))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def infer_path_params(path: str) -> dict[str, str] | None:
+    """{} for /v1/infer, {"name": n} for /v1/models/n/infer, None for any other path."""
+    if path == "/v1/infer":
+        return {}
+    prefix, suffix = "/v1/models/", "/infer"
+    if path.startswith(prefix) and path.endswith(suffix):
+        name = path[len(prefix):-len(suffix)]
+        if name and "/" not in name:
+            return {"name": name}
+    return None
