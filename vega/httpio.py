@@ -1,7 +1,7 @@
 """Reading requests and writing answers, shared by the /v1 and /v2 routes.
 
 Size-limited body reading, JSON parsing, the priority and deadline rules, the error
-response, the disconnect watch, and counting every answer by outcome.
+response, the hang-up check, refusal pacing, and counting every answer by outcome.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 A request is read (size-limited while reading), parsed with orjson, and handed to
 the runtime, which admits, queues and awaits it. Every VegaError becomes its error
 body and status here, in one place.
+
+Inference POSTs reach their handler past Starlette's router (``HotRoutes``): it
+is the one hot path, and the router's layers were a fifth of its loop time.
 """
 
 from __future__ import annotations
