@@ -81,3 +81,13 @@ def test_python_factory_and_bad_specs() -> None:
                  "torchscript:/no/such.pt"):
         with pytest.raises(ModelLoadError):
             load_model(spec)
+
+
+def test_torchscript_compiles_at_load_not_in_the_first_timed_pass() -> None:
+    # TorchScript's profiling executor compiles on a module's second call (~300 ms here);
+    # load() makes both calls, so warm-up and `vega profile` time only compiled passes.
+    model = load_model("sensor")
+    assert isinstance(model, SequenceModel)
+    model.load("cpu")
+    assert isinstance(model.module, torch.jit.ScriptModule)
+    assert len(model.module.get_debug_state().execution_plans) >= 1
