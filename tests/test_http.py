@@ -12,7 +12,6 @@ import pytest
 
 from tests.models import FAIL_MARK, window
 from tests.servers import VegaProcess
-from vega.server import infer_path_params
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +95,6 @@ def test_inference_paths_answer_only_post_and_real_paths(sensor: VegaProcess) ->
     for path in ("/v1/models/a/b/infer", "/v1/models//infer", "/v1/infer/"):
         assert post(sensor, {"inputs": window(4)}, path=path).status_code in (404, 307), path
     assert post(sensor, {"inputs": window(4)}, path="/v1/infer").status_code == 200
-
-
-@pytest.mark.parametrize(("path", "params"), [
-    ("/v1/infer", {}), ("/v1/models/sensor/infer", {"name": "sensor"}),
-    ("/v1/models/a/b/infer", None), ("/v1/models//infer", None), ("/v1/inferx", None),
-    ("/v2/models/sensor/infer", None)])
-def test_infer_path_params(path: str, params: dict[str, str] | None) -> None:
-    assert infer_path_params(path) == params
 
 
 def test_bad_priority_header_is_422(sensor: VegaProcess) -> None:

@@ -42,7 +42,7 @@ class BatcherConfig:
     max_inflight: int
     # Work-conserving: an idle executor thread gets what is queued now. Waiting for a
     # fuller batch only pays while the threads are busy; idle, it is latency for nothing.
-    dispatch_when_idle: bool = False
+    dispatch_when_idle: bool = False  # VEGA_DISPATCH_WHEN_IDLE turns it on by default
     parallelism: int = 1  # executor threads running batches at once
     standing_after_s: float = 0.1  # CoDel interval (DESIGN.md rule 5)
 
