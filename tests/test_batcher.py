@@ -96,10 +96,44 @@ async def test_idle_executor_gets_what_is_queued_at_once(running: Start) -> None
     batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=60.0)
     first = item(batcher)
     await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)  # not after 60 s
+    sink.gate.set()
+    await asyncio.wait_for(first.future, 5)
+    assert [b.size for b in sink.batches] == [1]
+
+
+async def test_busy_executor_holds_a_partial_batch_past_the_wait(running: Start) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=0.01, max_batch_size=4,
+                         standing_after_s=60.0)
+    first = item(batcher)
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
     later = [item(batcher) for _ in range(2)]
-    await asyncio.sleep(0.05)
-    # The thread is busy: the two wait for a trigger, a free thread being one.
+    await asyncio.sleep(0.1)  # ten times the wait
+    # Sent now, they would only queue behind the running batch at size 2.
     assert len(sink.batches) == 1 and batcher.depth() == 2
+    more = [item(batcher) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    # A full batch still goes ahead (pipelining); the leftover keeps waiting.
+    assert [b.size for b in sink.batches] == [1, 4] and batcher.depth() == 0
+    straggler = item(batcher)
+    await asyncio.sleep(0.05)
+    assert len(sink.batches) == 2 and batcher.depth() == 1
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in [first, *later, *more, straggler])), 5)
+    assert [b.size for b in sink.batches] == [1, 4, 1]
+
+
+async def test_with_peers_to_hand_off_to_a_partial_batch_goes_at_the_wait(running: Start) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, dispatch_when_idle=True, hands_off=True, max_wait_s=0.01,
+                         standing_after_s=60.0)
+    first = item(batcher)
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
+    later = [item(batcher) for _ in range(2)]
+    # The thread is busy, but the sink may run this batch on an idle peer.
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 2), 5)
     sink.gate.set()
     await asyncio.wait_for(asyncio.gather(*(i.future for i in [first, *later])), 5)
     assert [b.size for b in sink.batches] == [1, 2]

@@ -148,10 +148,11 @@ SPECS: tuple[Spec, ...] = (
     Spec("max_batch_size", "32", _int(1, 4096), "an integer 1-4096",
          "A batch is dispatched when it reaches this many items..."),
     Spec("max_wait_ms", "5", _float(0, 10_000), "a number 0-10000",
-         "...or when its oldest item has waited this long."),
+         "...or when its oldest item has waited this long (only with "
+         "VEGA_DISPATCH_WHEN_IDLE=false)."),
     Spec("dispatch_when_idle", "true", _bool, "true or false",
-         "While an executor thread has no batch, dispatch what is queued at once "
-         "(the size and wait triggers apply while all are busy)."),
+         "While an executor thread has no batch, dispatch what is queued at once; "
+         "while all are busy, only full batches (a partial one grows until a thread frees)."),
     Spec("length_buckets", "16,32,64,128,256,512", _buckets,
          "increasing positive integers, comma separated",
          "Upper bounds of the length buckets; a batch pads only to its own longest item."),

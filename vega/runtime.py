@@ -112,7 +112,8 @@ class Runtime:
         loop = asyncio.get_running_loop()
         for adapter in self._adapters:
             await self.executor.call(adapter.load, self.device)
-            batcher = Batcher(batcher_config(s, adapter.name, adapter.max_length),
+            batcher = Batcher(batcher_config(s, adapter.name, adapter.max_length,
+                                             hands_off=bool(s.redis_url)),
                               self._sink, self.metrics.observe_batch)
             admission = Admission(admission_config(s), batcher, loop.time())
             served = Served(adapter, batcher, admission)
@@ -434,12 +435,13 @@ def _length_hint(instance: Any) -> int:
         return 1
 
 
-def batcher_config(s: Settings, model: str, max_length: int) -> BatcherConfig:
+def batcher_config(s: Settings, model: str, max_length: int,
+                   hands_off: bool = False) -> BatcherConfig:
     """A model's batcher as the settings describe it (the simulator builds the same)."""
     return BatcherConfig(
         model=model, buckets=_buckets_for(s.length_buckets, max_length),
         max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
-        dispatch_when_idle=s.dispatch_when_idle,
+        dispatch_when_idle=s.dispatch_when_idle, hands_off=hands_off,
         max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
         standing_after_s=s.codel_interval_ms / 1000)
 

@@ -119,7 +119,8 @@ class SimProcess:
         loop = asyncio.get_running_loop()
         self.loop = loop
         model = latency.model or "model"
-        self.batcher = Batcher(batcher_config(settings, model, latency.max_length), self._sink)
+        self.batcher = Batcher(batcher_config(settings, model, latency.max_length,
+                                              hands_off=overflow is not None), self._sink)
         self.admission = Admission(admission_config(settings), self.batcher, loop.time())
         self.free_at = [loop.time()] * settings.executor_threads  # per executor thread
         self.open = 0  # admitted requests not yet answered (least_conn counts these)
