@@ -148,11 +148,12 @@ SPECS: tuple[Spec, ...] = (
     Spec("max_batch_size", "32", _int(1, 4096), "an integer 1-4096",
          "A batch is dispatched when it reaches this many items..."),
     Spec("max_wait_ms", "5", _float(0, 10_000), "a number 0-10000",
-         "...or when its oldest item has waited this long (only with "
-         "VEGA_DISPATCH_WHEN_IDLE=false)."),
+         "...or when its oldest item has waited this long (with "
+         "VEGA_DISPATCH_WHEN_IDLE=true, only while Redis overflow may hand it to a peer)."),
     Spec("dispatch_when_idle", "true", _bool, "true or false",
          "While an executor thread has no batch, dispatch what is queued at once; "
-         "while all are busy, only full batches (a partial one grows until a thread frees)."),
+         "while all are busy, only full batches (a partial one grows until a thread frees; "
+         "with VEGA_REDIS_URL it still goes at VEGA_MAX_WAIT_MS, for a peer to take)."),
     Spec("length_buckets", "16,32,64,128,256,512", _buckets,
          "increasing positive integers, comma separated",
          "Upper bounds of the length buckets; a batch pads only to its own longest item."),
