@@ -6,10 +6,9 @@ finished batch freeing a pipeline slot. A batch is due when it is full, when its
 oldest item has waited ``max_wait_s``; or, work-conserving (``dispatch_when_idle``),
 at once while an executor thread has nothing to run and otherwise only when full (the
 wait then has no part, unless the sink may hand batches to peers). A batch takes items
-from one bucket,
-critical first, so it pads only to its own longest item. Formed batches go to an
-injected ``sink`` (the executor, or the overflow channel); the batcher knows
-neither HTTP nor torch nor Redis.
+from one bucket, critical first, so it pads only to its own longest item. Formed
+batches go to an injected ``sink`` (the executor, or the overflow channel); the
+batcher knows neither HTTP nor torch nor Redis.
 
 What admission needs to decide (depth per class, backlog, service rate, predicted
 batch time) the batcher exposes as values.
