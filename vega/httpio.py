@@ -22,6 +22,8 @@ from vega.records import NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
 from vega.runtime import Runtime
 
 JSON = "application/json"
+
+
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status,
                     headers=headers, media_type=JSON)

@@ -139,8 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 @dataclass(frozen=True)
@@ -201,3 +199,7 @@ def _weights(points: tuple[int, ...], x: float, clamp_high: bool) -> tuple[int, 
         return len(points) - 1, 0.0
     i = min(bisect.bisect_right(points, x) - 1, len(points) - 2)
     return i, (x - points[i]) / (points[i + 1] - points[i])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -134,8 +134,8 @@ class Api:
                 reply = await self.answer_once(call, key, fingerprint(doc))
         except VegaError as error:
             reply = self.refusal(request, error)
-        self.count(name, priority, reply.outcome,
-                   loop.time() - started if reply.outcome == "ok" else None)
+        count_answer(runtime, name, priority, reply.outcome,
+                     loop.time() - started if reply.outcome == "ok" else None)
         await pace_refusal(runtime, name, reply.outcome)
         return Response(reply.body, reply.status, headers=reply.headers,
                         media_type=JSON if reply.body else None)
@@ -197,9 +197,6 @@ class Api:
             log.warning("request %s: %s %s", request.scope.get("vega.request_id"),
                         error.code, error.message)
         return Reply(error.status, orjson.dumps(error.body()), error.headers(), error.code)
-
-    def count(self, model: str, priority: int, outcome: str, seconds: float | None = None) -> None:
-        count_answer(self.runtime, model, priority, outcome, seconds)
 
     async def healthz(self, request: Request) -> Response:
         return json_response({"status": "ok"})
