@@ -172,10 +172,19 @@ class OipApi:
                                               for adapter in adapters]})
 
     async def infer(self, request: Request) -> Response:
-        runtime = self.runtime
         loop = asyncio.get_running_loop()
         started = loop.time()
         name = request.path_params["name"]
+        response, priority, outcome = await self._respond(request, name)
+        count_answer(self.runtime, name, priority, outcome,
+                     loop.time() - started if outcome == "ok" else None)
+        # A held refusal keeps nothing of the request alive (as /v1, vega/server.py).
+        await pace_refusal(self.runtime, name, outcome)
+        return response
+
+    async def _respond(self, request: Request, name: str) -> tuple[Response, int, str]:
+        """The response to one inference request, its priority and its outcome."""
+        runtime = self.runtime
         priority = NORMAL
         try:
             runtime.check_open()
@@ -187,16 +196,11 @@ class OipApi:
             priority = parsed.priority
             answer = await runtime.infer(name, parsed.instances, priority, parsed.deadline_ms,
                                          hung_up(request.receive))
-            response = infer_response(answer, parsed, adapter)
+            return infer_response(answer, parsed, adapter), priority, "ok"
         except VegaError as error:
-            count_answer(self.runtime, name, priority, error.code)
-            await pace_refusal(self.runtime, name, error.code)
-            return error_response(error)
+            return error_response(error), priority, error.code
         except ClientGone:
-            count_answer(self.runtime, name, priority, "disconnected")
-            return Response(status_code=499)
-        count_answer(self.runtime, name, priority, "ok", loop.time() - started)
-        return response
+            return Response(status_code=499), priority, "disconnected"
 
     def _adapter(self, request: Request) -> ModelAdapter:
         name = request.path_params["name"]
