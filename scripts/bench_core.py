@@ -15,6 +15,7 @@ figure is from this run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -169,10 +170,12 @@ def ratios(phase: dict[str, Any], best: float) -> dict[str, float]:
 
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if not a.startswith("--rounds=")]
-    rounds = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--rounds=")), 3)
-    length = int(args[0]) if args else 64
-    seconds = float(args[1]) if len(args) > 1 else 10.0
+    parser = argparse.ArgumentParser(description="Issue 2's benchmark (see the docstring).")
+    parser.add_argument("length", nargs="?", type=int, default=64, help="window steps")
+    parser.add_argument("seconds", nargs="?", type=float, default=10.0, help="per phase")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of phases 2-4")
+    options = parser.parse_args()
+    length, seconds, rounds = options.length, options.seconds, options.rounds
     results: dict[str, Any] = {"length": length, "seconds": seconds, "rounds": []}
     results["ceiling_items_per_s"] = rates = ceiling(length)
     best = max(rates.values())
