@@ -33,10 +33,9 @@ from vega.config import Settings
 from vega.errors import VegaError, invalid_input
 from vega.httpio import (
     JSON,
-    count_answer,
+    conclude,
     hung_up,
     json_response,
-    pace_refusal,
     parse_deadline_ms,
     parse_json,
     parse_priority,
@@ -176,10 +175,7 @@ class OipApi:
         started = loop.time()
         name = request.path_params["name"]
         response, priority, outcome = await self._respond(request, name)
-        count_answer(self.runtime, name, priority, outcome,
-                     loop.time() - started if outcome == "ok" else None)
-        # A held refusal keeps nothing of the request alive (as /v1, vega/server.py).
-        await pace_refusal(self.runtime, name, outcome)
+        await conclude(self.runtime, name, priority, outcome, started)  # body gone with _respond
         return response
 
     async def _respond(self, request: Request, name: str) -> tuple[Response, int, str]:

@@ -139,8 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-
-
 @dataclass(frozen=True)
 class LatencyModel:
     """Batch seconds by (padded length, size), bilinear in both, from a ``vega profile`` file.
