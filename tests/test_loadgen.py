@@ -21,6 +21,7 @@ from vega.report import (
     build_report,
     distribution,
     distribution_delta,
+    format_summary,
     prometheus_histogram,
     write_plots,
 )
@@ -168,6 +169,20 @@ def test_report_from_records(tmp_path: Path) -> None:
         tally.add(r)
     assert build_report(tally)["summary"] == build_report(synthetic_records(),
                                                           bin_s=0.5)["summary"]
+
+
+def test_settled_latency_leaves_out_the_first_second() -> None:
+    # The onset of a closed loop (every connection at once) is slow; after it, fast.
+    onset = [Record(0.01 * i, 0.5, 200, "", "normal", 5.0) for i in range(50)]
+    settled = [Record(1.0 + 0.01 * i, 0.01, 200, "", "normal", 5.0) for i in range(200)]
+    report = build_report(onset + settled, bin_s=0.1)
+    summary = report["summary"]
+    assert summary["latency_ms"]["count"] == 250
+    assert summary["latency_ms"]["p99"] == pytest.approx(500, rel=0.01)
+    after = summary["latency_ms_after_1s"]
+    assert after["count"] == 200
+    assert after["p99"] == pytest.approx(10, rel=0.01)
+    assert "of those sent after the first second: p50 10" in format_summary(report)
 
 
 def test_prometheus_histogram_delta() -> None:
