@@ -10,6 +10,7 @@ import pytest
 
 from tests.models import echo
 from vega.config import load_settings
+from vega.errors import VegaError
 from vega.pacing import RefusalPacer
 from vega.server import create_app
 
@@ -112,4 +113,38 @@ async def test_admitted_work_keeps_no_parsed_json_while_it_waits(
             answer = await running
             assert answer.status_code == 200, answer.text
     finally:
+        await runtime.stop()
+
+
+async def test_a_request_shed_from_the_queue_leaves_no_cycle_for_the_collector() -> None:
+    # A shed item's future holds its error. Raising that same object in the request's
+    # frames would tie them into a cycle with it (frame -> items -> future -> error ->
+    # traceback -> frame): garbage that only a collection frees, one per shed request.
+    settings = load_settings(environ={
+        "VEGA_MAX_BATCH_SIZE": "1", "VEGA_MAX_INFLIGHT_BATCHES": "1",
+        "VEGA_WARMUP_BATCHES": "1", "VEGA_TORCH_THREADS": "1"})
+    model = echo("echo")
+    app, runtime = create_app(settings, [model])
+    await runtime.start()
+    await runtime.wait_ready()
+    model.module.sleep_s = 0.4  # the queue behind the first request stands past 100 ms
+    transport = httpx.ASGITransport(app=app)
+    body = b'{"inputs": [[1, 0, 0, 0, 0, 0, 0, 0]]}'
+    gc.collect()
+    gc.disable()
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://vega") as client:
+            first = asyncio.ensure_future(client.post("/v1/infer", content=body))
+            await asyncio.sleep(0.05)
+            queued = await asyncio.gather(*(client.post("/v1/infer", content=body)
+                                            for _ in range(3)))
+            assert [r.json()["error"]["code"] for r in queued] == ["shed"] * 3
+            assert (await first).status_code == 200
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        assert not [o for o in gc.garbage if isinstance(o, VegaError)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
         await runtime.stop()

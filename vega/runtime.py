@@ -433,8 +433,16 @@ async def _await_items(items: list[Item], deadline: float) -> Answer:
 
 
 def _as_vega_error(error: BaseException | None) -> VegaError:
+    """A new exception to raise for the one an item's future holds.
+
+    Raising the held one would hang this request's frames on its traceback, and the
+    frames hold the items, whose futures hold it: a cycle per refused request that only
+    the collector frees, after it has reached the oldest generation. Measured over 11-s
+    runs at 1024 connections: 45-66k such objects a run (~22 per shed request) -> none;
+    the longest full collection 27-58 -> 25-37 ms.
+    """
     if isinstance(error, VegaError):
-        return error
+        return VegaError(error.code, error.message, error.retry_after_ms)
     return VegaError("model_error", f"internal error: {type(error).__name__}")
 
 
