@@ -98,6 +98,9 @@ async def test_repeats_run_the_model_once_and_conflicts_are_422(
 
     conflict = post(server.url, orjson.dumps({"inputs": window(8, 0.6)}), "order-1")
     assert conflict.status_code == 422 and conflict.json()["error"]["code"] == "invalid_input"
+    # A malformed key is refused before the body is read or parsed.
+    bad_key = post(server.url, b"not json", "has space")
+    assert bad_key.status_code == 422 and "Idempotency-Key" in bad_key.json()["error"]["message"]
     assert forwarded(log) == base + 2
 
 

@@ -129,10 +129,10 @@ class Api:
             served = runtime.served(name)
             if runtime.fallback_for(served, claimed) is None:  # else the fallback may take it
                 served.admission.precheck(claimed)
-            call, body_print = self.parse(request, name, await read_body(
-                request, self.settings.max_body_bytes))
-            priority = call.priority
             key = self.idempotency.key_of(request.headers.get("idempotency-key"))
+            call, body_print = self.parse(request, name, await read_body(
+                request, self.settings.max_body_bytes), keyed=key is not None)
+            priority = call.priority
             if key is None:
                 reply = await self.answer(call)
             else:
@@ -141,15 +141,15 @@ class Api:
             reply = self.refusal(request, error)
         return reply, priority
 
-    def parse(self, request: Request, name: str, body: bytes) -> tuple[Call, str]:
-        """The call a /v1 body makes, and the body's fingerprint if it carries a key.
+    def parse(self, request: Request, name: str, body: bytes,
+              keyed: bool) -> tuple[Call, str]:
+        """The call a /v1 body makes, and the body's fingerprint if ``keyed`` (idempotent).
 
         The parsed document ends here: the runtime empties ``call.instances`` once it
         has decoded them, and no frame that waits may still hold the rest of it.
         """
         doc = parse_json(body)
         instances, single, priority, deadline_ms = parse_infer_body(doc, request, self.settings)
-        keyed = "idempotency-key" in request.headers
         return (Call(request, name, instances, single, priority, deadline_ms),
                 fingerprint(doc) if keyed else "")
 
