@@ -127,8 +127,10 @@ def test_token_bucket_keeps_a_reserve_for_critical() -> None:
 
 async def test_standing_queue_keeps_non_critical_to_a_few_batches_of_work() -> None:
     admission, batcher = make(capacity=1000)
-    fill(batcher, 100)  # 100 ms of work ahead
+    # Read before filling: a collection during the fill (this process may hold torch by
+    # now) can take longer than the 100 ms interval, and the queue would look standing.
     now = asyncio.get_running_loop().time()
+    fill(batcher, 100)  # 100 ms of work ahead
     admission.admit(NORMAL, [0], deadline=now + 100.0, now=now)  # not standing yet: fine
     later = now + 1.0  # the queue has not emptied for a second: standing
     assert batcher.standing(later)

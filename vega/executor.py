@@ -59,7 +59,7 @@ class Executor:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def run(self, batch: Batch) -> asyncio.Future[None]:
-        """Run ``batch``; its items' futures are resolved before the returned one."""
+        """Run ``batch``; the returned future and its items' futures are settled together."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._pool.submit(self._work, loop, batch, done)
@@ -102,6 +102,11 @@ class Executor:
 
 def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | None,
              done: asyncio.Future[None]) -> None:
+    # ``done`` first: every future is settled in this one call, but callbacks run in the
+    # order their futures were set, so the batcher starts the next batch on the free
+    # thread before the batch's handlers write their answers.
+    if not done.done():
+        done.set_result(None)
     if error is not None or outputs is None:
         log.error("model %s failed on batch %d of %d: %r", batch.model, batch.id,
                   batch.size, error)
@@ -114,5 +119,3 @@ def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | Non
             if not item.future.done():
                 item.infer_s = batch.infer_s
                 item.future.set_result(output)
-    if not done.done():
-        done.set_result(None)

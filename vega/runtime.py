@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,18 +312,32 @@ class Runtime:
         if self.active_requests == 0:
             self._quiet.set()
 
-    async def _sink(self, batch: Batch) -> None:
-        """Where a formed batch runs: here, or on a peer when the wait here is long."""
-        if self.streams is not None and await self.streams.offer(batch, self._local_wait_s(batch)):
+    def _sink(self, batch: Batch) -> Awaitable[None]:
+        """Where a formed batch runs: here, or on a peer when the wait here is long.
+
+        A batch that runs here is handed back as the executor's own future, not a
+        coroutine: the batcher's callback on it then runs before the handlers the
+        batch answers, and starts the next batch first (Batcher._finished).
+        """
+        if self.streams is not None:
+            wait_s = self._local_wait_s(batch)
+            if self.streams.worth_handing_off(batch, wait_s):
+                return self._offer_or_run(batch, self.streams, wait_s)
+        return self._run_local(batch)
+
+    async def _offer_or_run(self, batch: Batch, streams: Streams, wait_s: float) -> None:
+        if await streams.offer(batch, wait_s):
             return  # its futures are answered from the reply stream, or taken back
         await self._run_local(batch)
 
-    async def _run_local(self, batch: Batch) -> None:
+    def _run_local(self, batch: Batch) -> asyncio.Future[None]:
+        done = self.executor.run(batch)
         self._local_batches += 1
-        try:
-            await self.executor.run(batch)
-        finally:
-            self._local_batches -= 1
+        done.add_done_callback(self._ran_local)
+        return done
+
+    def _ran_local(self, _done: asyncio.Future[None]) -> None:
+        self._local_batches -= 1
 
     def _local_wait_s(self, batch: Batch) -> float:
         """Predicted wait before ``batch`` would start here: the queue, then the batches ahead."""

@@ -202,7 +202,7 @@ class Streams:
 
     async def offer(self, batch: Batch, local_wait_s: float) -> bool:
         """Hand ``batch`` to peers if that should answer it sooner; False = run it locally."""
-        if not self._worth_handing_off(batch, local_wait_s):
+        if not self.worth_handing_off(batch, local_wait_s):
             return False
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -236,7 +236,8 @@ class Streams:
         self.metrics.overflow.labels("out").inc()
         return True
 
-    def _worth_handing_off(self, batch: Batch, local_wait_s: float) -> bool:
+    def worth_handing_off(self, batch: Batch, local_wait_s: float) -> bool:
+        """Whether peers should be offered ``batch`` (a cheap check, no Redis round trip)."""
         if not self.up or batch.model not in self.models:
             return False
         if 1000 * local_wait_s <= self.settings.overflow_threshold_ms or local_wait_s <= self.rtt_s:
