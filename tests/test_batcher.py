@@ -268,6 +268,22 @@ async def test_a_freed_thread_gets_the_held_batch_before_the_answers_are_handled
         executor.shutdown()
 
 
+async def test_once_stopped_a_finishing_batch_starts_no_other() -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher = Batcher(config(max_batch_size=1, max_inflight=1, max_wait_s=0.0), sink)
+    task = asyncio.create_task(batcher.run())
+    first, second = item(batcher), item(batcher)
+    while not sink.batches:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    sink.gate.set()
+    assert await asyncio.wait_for(first.future, 5) == first.id
+    await asyncio.sleep(0.05)
+    assert len(sink.batches) == 1 and not second.future.done()
+
+
 async def test_measures_batch_times_and_service_rate(running: Start) -> None:
     batcher, sink = running()
     items = [item(batcher) for _ in range(8)]

@@ -64,6 +64,7 @@ class Batcher:
         self._depth = [0] * len(PRIORITY_NAMES)
         self._cost = [0.0] * len(PRIORITY_NAMES)
         self._wake = asyncio.Event()
+        self._running = False  # while run() is looping
         self._inflight: set[asyncio.Future[None]] = set()
         self._nonempty_since: float | None = None
         self._idle = asyncio.Event()
@@ -161,15 +162,19 @@ class Batcher:
     async def run(self) -> None:
         """Form and dispatch batches until cancelled."""
         loop = asyncio.get_running_loop()
-        while True:
-            self._wake.clear()
-            wake_at = self.pump()
-            timer = loop.call_at(wake_at, self._wake.set) if wake_at is not None else None
-            try:
-                await self._wake.wait()
-            finally:
-                if timer is not None:
-                    timer.cancel()
+        self._running = True
+        try:
+            while True:
+                self._wake.clear()
+                wake_at = self.pump()
+                timer = loop.call_at(wake_at, self._wake.set) if wake_at is not None else None
+                try:
+                    await self._wake.wait()
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+        finally:
+            self._running = False  # stopped: a batch that finishes now starts no other
 
     def pump(self) -> float | None:
         """Dispatch every batch that is due now; return when one next falls due by waiting.
@@ -298,7 +303,8 @@ class Batcher:
         # loop's task instead, the next batch would wait behind every handler the finished
         # batch woke (its sink settles it first, they come after): at 64 connections with
         # batches that do not fill, the thread sat idle ~18 ms of each 37 ms batch.
-        self.pump()
+        if self._running:
+            self.pump()
         self._wake.set()  # the loop task recomputes its timer
         self._maybe_idle()
         if self._on_batch_done is not None:

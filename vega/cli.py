@@ -115,7 +115,7 @@ def serve(settings: Settings) -> int:
 
 # Collect the youngest generation after this many net new container objects, not 700.
 # A waiting request holds a few hundred, so at 1024 connections the default ran ~550
-# young, ~50 middle and 4 full collections per 11-s run (0.8-1.0 s holding the GIL,
+# young, ~50 middle and 4 full collections per 11-s run (0.7-1.0 s holding the GIL,
 # full ones up to 48 ms) and freed nothing: requests' objects die by reference count.
 # At 10,000: 7 collections, 0.015 s in all, the longest 6 ms. At 64 connections: 0.25 s
 # -> 0.002 s. Cycles are still found; a young generation of 10,000 takes a few ms.
