@@ -112,7 +112,6 @@ def serve(settings: Settings) -> int:
     return EXIT_STARTUP if failed else 0
 
 
-
 # Collect the youngest generation after this many net new container objects, not 700.
 # A waiting request holds a few hundred, so at 1024 connections the default ran ~550
 # young, ~50 middle and 4 full collections per 11-s run (0.7-1.0 s holding the GIL,
@@ -132,6 +131,7 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's Server, but the first SIGTERM/SIGINT drains before exiting (exit 0).
