@@ -202,6 +202,8 @@ class Streams:
 
     async def offer(self, batch: Batch, local_wait_s: float) -> bool:
         """Hand ``batch`` to peers if that should answer it sooner; False = run it locally."""
+        # Asked again though the runtime just asked: batches formed in one loop turn all
+        # pass that check before any of them is pending here, and capacity counts those.
         if not self.worth_handing_off(batch, local_wait_s):
             return False
         loop = asyncio.get_running_loop()
