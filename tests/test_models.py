@@ -74,6 +74,31 @@ def test_torchscript_model_loads_with_its_attributes(tmp_path: Path) -> None:
         model.decode([[1, 2, 3, 4]])
 
 
+def test_outputs_come_back_as_float32_whatever_the_module_returns() -> None:
+    # run() skips the conversions a float32 CPU output does not need; the rest still happen.
+    class Scaled(torch.nn.Module):
+        def __init__(self, dtype: torch.dtype) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.full((1, 3), 2.0, dtype=dtype))
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.sum(dim=1).to(self.scale.dtype) * self.scale
+
+    class Weights(Scaled):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return self.scale.expand(x.shape[0], 3)  # a view that still requires grad
+
+    samples = [np.ones((2, 3), dtype=np.float32), np.ones((1, 3), dtype=np.float32)]
+    for module, expected in ((Scaled(torch.float64), [[4, 4, 4], [2, 2, 2]]),
+                             (Scaled(torch.float16), [[4, 4, 4], [2, 2, 2]]),
+                             (Weights(torch.float32), [[2, 2, 2], [2, 2, 2]])):
+        model = SequenceModel(module, "m", channels=3, max_length=4)
+        model.load("cpu")
+        rows = model.run(samples, 2)
+        assert [row.dtype for row in rows] == [np.float32, np.float32]
+        np.testing.assert_allclose(np.stack(rows), expected)
+
+
 def test_python_factory_and_bad_specs() -> None:
     model = load_model("python:tests.models:echo", "custom")
     assert model.name == "custom"

