@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.models import echo, window
-from vega.batcher import Batcher, BatcherConfig
+from vega.batcher import FORM_AHEAD, Batcher, BatcherConfig
 from vega.errors import VegaError
 from vega.executor import Executor
 from vega.records import CRITICAL, NORMAL, SHEDDABLE, Batch, Item
@@ -125,6 +125,69 @@ async def test_busy_executor_holds_a_partial_batch_past_the_wait(running: Start)
     sink.gate.set()
     await asyncio.wait_for(asyncio.gather(*(i.future for i in [first, *later, *more, straggler])), 5)
     assert [b.size for b in sink.batches] == [1, 4, 1]
+
+
+async def test_while_busy_a_full_batch_forms_just_before_the_thread_frees(running: Start) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=60.0, max_batch_size=4,
+                         standing_after_s=60.0)
+    for _ in range(3):
+        batcher.times.observe(0, 4, 0.4)  # a full batch is predicted to take 0.4 s
+    loop = asyncio.get_running_loop()
+    first = [item(batcher) for _ in range(4)]
+    started = loop.time()
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
+    second = [item(batcher) for _ in range(4)]  # full while the thread is busy
+    await asyncio.sleep(0.1)
+    # Sent now, it would wait ~0.3 s behind the running batch: it stays in the queue.
+    assert len(sink.batches) == 1 and batcher.depth() == 4
+    # It goes ahead of the running batch's predicted end (0.4 s) by FORM_AHEAD of that batch's
+    # predicted time (0.12 s),
+    # before the running batch finishes.
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 2), 5)
+    assert loop.time() - started >= 0.4 * (1 - FORM_AHEAD) - 0.01
+    assert sink.running == 2 and not any(i.future.done() for i in first)
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in first + second)), 5)
+
+
+async def test_held_full_batches_fall_due_together_and_the_oldest_goes(running: Start) -> None:
+    # How far ahead comes from the batch that frees the thread, not from each candidate:
+    # otherwise a long bucket's batch (long predicted time, long lead) always fell due first.
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=60.0, max_batch_size=4,
+                         standing_after_s=60.0)
+    for _ in range(3):
+        batcher.times.observe(0, 4, 0.3)
+        batcher.times.observe(2, 4, 0.9)
+    first = [item(batcher, length=10) for _ in range(4)]
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
+    short = [item(batcher, length=10) for _ in range(4)]  # queued first: the oldest
+    long = [item(batcher, length=500) for _ in range(4)]
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 2), 5)
+    assert sink.batches[1].bucket == 0
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in first + short + long)), 5)
+    assert [b.bucket for b in sink.batches] == [0, 0, 2]
+
+
+async def test_a_held_full_batch_goes_at_once_when_the_thread_frees_early(running: Start) -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=60.0, max_batch_size=4,
+                         standing_after_s=60.0)
+    for _ in range(3):
+        batcher.times.observe(0, 4, 5.0)  # predicted far longer than it will take
+    first = [item(batcher) for _ in range(4)]
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
+    second = [item(batcher) for _ in range(4)]
+    await asyncio.sleep(0.05)
+    assert len(sink.batches) == 1
+    sink.gate.set()  # the running batch ends ~5 s early: the held one goes now
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in first + second)), 5)
+    assert [b.size for b in sink.batches] == [4, 4]
 
 
 async def test_with_peers_to_hand_off_to_a_partial_batch_goes_at_the_wait(running: Start) -> None:

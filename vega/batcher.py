@@ -1,11 +1,12 @@
 """The batcher: length buckets, priorities, deadlines, and the size/wait triggers.
 
 Items wait in one deque per (length bucket, priority). The loop wakes on events
-only: an enqueue, a timer set for the moment the oldest item's wait runs out, or a
-finished batch freeing a pipeline slot. A batch is due when it is full, when its
-oldest item has waited ``max_wait_s``; or, work-conserving (``dispatch_when_idle``),
-at once while an executor thread has nothing to run and otherwise only when full (the
-wait then has no part, unless the sink may hand batches to peers). A batch takes items
+only: an enqueue, a timer set for the moment the oldest item's wait runs out (or a
+held full batch falls due), or a finished batch freeing a pipeline slot. A batch is
+due when it is full, when its oldest item has waited ``max_wait_s``; or, work-conserving
+(``dispatch_when_idle``), at once while an executor thread has nothing to run and
+otherwise only when full and a thread is about to free (the wait then has no part,
+unless the sink may hand batches to peers). A batch takes items
 from one bucket, critical first, so it pads only to its own longest item. Formed
 batches go to an injected ``sink`` (the executor, or the overflow channel); the
 batcher knows neither HTTP nor torch nor Redis.
@@ -29,6 +30,18 @@ from vega.records import CRITICAL, PRIORITY_NAMES, Batch, Item
 from vega.timing import BatchTimes, ServiceRate
 
 log = logging.getLogger("vega.batcher")
+
+# While every thread is busy, the next full batch is formed shortly before a thread is
+# predicted to free: FORM_AHEAD of the freeing batch's predicted time ahead, and at
+# least FORM_AHEAD_MIN_S (the loop's clock ticks in ms, and it must get round to it).
+# Formed as soon as it was full, it waited out the running batch in the executor's queue
+# while fresher items queued behind it. At 1024 connections, four rounds taking turns:
+# p50 64 -> 42 ms, p99 after the first second 93 -> 71 ms, requests/s the same within the
+# noise. Formed only once the thread was free, the thread sat idle ~0.8 ms a batch (3.6%).
+# The lead is the freeing batch's, not the candidate's: with each bucket's own lead, long
+# buckets always fell due first, and the mixed-length burst simulation lost 1/5 of its 200s.
+FORM_AHEAD = 0.3
+FORM_AHEAD_MIN_S = 0.002
 
 Sink = Callable[[Batch], Awaitable[None]]
 BatchObserver = Callable[[Batch], None]
@@ -65,7 +78,8 @@ class Batcher:
         self._cost = [0.0] * len(PRIORITY_NAMES)
         self._wake = asyncio.Event()
         self._running = False  # while run() is looping
-        self._inflight: set[asyncio.Future[None]] = set()
+        # Each batch in flight, with when it is predicted to start and to end (loop clock).
+        self._inflight: dict[asyncio.Future[None], tuple[float, float]] = {}
         self._nonempty_since: float | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -209,6 +223,7 @@ class Batcher:
         wake_at: float | None = None
         idle = self.config.dispatch_when_idle and len(self._inflight) < self.config.parallelism
         hold = self.config.dispatch_when_idle and not self.config.hands_off
+        form_at = self._next_form_at(now) if hold and not idle else now
         for bucket, queues in enumerate(self._queues):
             if not self._bucket_depth[bucket]:
                 continue
@@ -220,6 +235,9 @@ class Batcher:
             oldest = min(item.enqueued_at for item in heads if item is not None)
             ready_at = oldest + self.config.max_wait_s
             full = self._bucket_depth[bucket] >= self.config.max_batch_size
+            if full and form_at > now:  # formed now, it would only wait behind the running batch
+                wake_at = form_at if wake_at is None else min(wake_at, form_at)
+                continue
             # Work-conserving: a free thread takes what is here now. While every thread
             # is busy, a partial batch sent on would only wait behind them at the size it
             # has; held here it grows until a thread frees (which wakes this loop) or it
@@ -284,14 +302,37 @@ class Batcher:
                              retry_after_ms=1000 * max(self.backlog_s(), 0.001))
         return None
 
+    def _freeing_run(self) -> tuple[float, float] | None:
+        """Predicted (start, end) of the batch whose end frees a thread for one more."""
+        queued = len(self._inflight) - self.config.parallelism
+        if queued < 0:
+            return None  # a thread is free now
+        return sorted(self._inflight.values(), key=lambda run: run[1])[queued]
+
+    def _next_form_at(self, now: float) -> float:
+        """While every thread is busy: when the next full batch may be formed."""
+        run = self._freeing_run()
+        if run is None:
+            return now
+        start, end = run
+        return end - max(FORM_AHEAD_MIN_S, FORM_AHEAD * (end - start))
+
     def _dispatch(self, batch: Batch) -> None:
+        now = asyncio.get_running_loop().time()
+        run = self._freeing_run()
+        start = now if run is None else max(now, run[1])
         done = asyncio.ensure_future(self._sink(batch))
-        self._inflight.add(done)
+        self._inflight[done] = (start, start + self.times.predict(batch.bucket, batch.size))
         self._idle.clear()
         done.add_done_callback(functools.partial(self._finished, batch))
 
     def _finished(self, batch: Batch, done: asyncio.Future[None]) -> None:
-        self._inflight.discard(done)
+        _, end = self._inflight.pop(done)
+        # A batch queued behind this one started when this one ended, not when predicted.
+        late = asyncio.get_running_loop().time() - end
+        for other, (start, other_end) in list(self._inflight.items()):
+            if start >= end:
+                self._inflight[other] = (start + late, other_end + late)
         error = None if done.cancelled() else done.exception()
         if error is not None:
             log.error("batch %d failed outside the model: %r", batch.id, error)

@@ -158,7 +158,8 @@ SPECS: tuple[Spec, ...] = (
          "increasing positive integers, comma separated",
          "Upper bounds of the length buckets; a batch pads only to its own longest item."),
     Spec("max_inflight_batches", "2", _int(1, 64), "an integer 1-64",
-         "Batches formed ahead while others run (pipelining bound)."),
+         "Batches formed ahead while others run (pipelining bound); each is formed just "
+         "before a thread frees."),
     Spec("queue_capacity", "1024", _int(1), "an integer >= 1",
          "Most items queued in this process, all classes together."),
     Spec("shed_watermark", "0.5", _float(0, 1), "a number 0-1",
