@@ -283,7 +283,7 @@ def main() -> int:
         for key in ("model_busy", "loop_cpu_us_per_answer", "model_cpu_ms_per_batch",
                     "model_runq_ms_per_batch")
         if all(key in r[name] for r in results["rounds"])}
-    print("median CPU: " + json.dumps({k: round(v, 1) for k, v in cpu.items()}))
+    print("median CPU: " + json.dumps({k: round(v, 3 if "busy" in k else 1) for k, v in cpu.items()}))
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"wrote {out / 'results.json'}")
     return 0

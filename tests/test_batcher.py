@@ -127,26 +127,33 @@ async def test_busy_executor_holds_a_partial_batch_past_the_wait(running: Start)
     assert [b.size for b in sink.batches] == [1, 4, 1]
 
 
-async def test_while_busy_a_full_batch_forms_just_before_the_thread_frees(running: Start) -> None:
+async def _busy_with_a_full_batch(running: Start, predicted_s: dict[int, float],
+                                  ) -> tuple[Batcher, RecordingSink, list[Item]]:
+    """A work-conserving batcher (batches of 4) whose thread runs a full batch of bucket 0,
+    held open, with these predicted times per bucket for a full batch."""
     sink = RecordingSink()
     sink.gate.clear()
     batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=60.0, max_batch_size=4,
                          standing_after_s=60.0)
-    for _ in range(3):
-        batcher.times.observe(0, 4, 0.4)  # a full batch is predicted to take 0.4 s
-    loop = asyncio.get_running_loop()
+    for bucket, seconds in predicted_s.items():
+        for _ in range(3):
+            batcher.times.observe(bucket, 4, seconds)
     first = [item(batcher) for _ in range(4)]
-    started = loop.time()
     await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
+    return batcher, sink, first
+
+
+async def test_while_busy_a_full_batch_forms_just_before_the_thread_frees(running: Start) -> None:
+    started = asyncio.get_running_loop().time()
+    batcher, sink, first = await _busy_with_a_full_batch(running, {0: 0.4})
     second = [item(batcher) for _ in range(4)]  # full while the thread is busy
     await asyncio.sleep(0.1)
     # Sent now, it would wait ~0.3 s behind the running batch: it stays in the queue.
     assert len(sink.batches) == 1 and batcher.depth() == 4
-    # It goes ahead of the running batch's predicted end (0.4 s) by FORM_AHEAD of that batch's
-    # predicted time (0.12 s),
-    # before the running batch finishes.
+    # It goes FORM_AHEAD of the running batch's predicted time (0.12 s) before that batch's
+    # predicted end (0.4 s), while it still runs.
     await asyncio.wait_for(_until(lambda: len(sink.batches) == 2), 5)
-    assert loop.time() - started >= 0.4 * (1 - FORM_AHEAD) - 0.01
+    assert asyncio.get_running_loop().time() - started >= 0.4 * (1 - FORM_AHEAD) - 0.01
     assert sink.running == 2 and not any(i.future.done() for i in first)
     sink.gate.set()
     await asyncio.wait_for(asyncio.gather(*(i.future for i in first + second)), 5)
@@ -155,15 +162,7 @@ async def test_while_busy_a_full_batch_forms_just_before_the_thread_frees(runnin
 async def test_held_full_batches_fall_due_together_and_the_oldest_goes(running: Start) -> None:
     # How far ahead comes from the batch that frees the thread, not from each candidate:
     # otherwise a long bucket's batch (long predicted time, long lead) always fell due first.
-    sink = RecordingSink()
-    sink.gate.clear()
-    batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=60.0, max_batch_size=4,
-                         standing_after_s=60.0)
-    for _ in range(3):
-        batcher.times.observe(0, 4, 0.3)
-        batcher.times.observe(2, 4, 0.9)
-    first = [item(batcher, length=10) for _ in range(4)]
-    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
+    batcher, sink, first = await _busy_with_a_full_batch(running, {0: 0.3, 2: 0.9})
     short = [item(batcher, length=10) for _ in range(4)]  # queued first: the oldest
     long = [item(batcher, length=500) for _ in range(4)]
     await asyncio.wait_for(_until(lambda: len(sink.batches) == 2), 5)
@@ -174,14 +173,8 @@ async def test_held_full_batches_fall_due_together_and_the_oldest_goes(running: 
 
 
 async def test_a_held_full_batch_goes_at_once_when_the_thread_frees_early(running: Start) -> None:
-    sink = RecordingSink()
-    sink.gate.clear()
-    batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=60.0, max_batch_size=4,
-                         standing_after_s=60.0)
-    for _ in range(3):
-        batcher.times.observe(0, 4, 5.0)  # predicted far longer than it will take
-    first = [item(batcher) for _ in range(4)]
-    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
+    # Predicted far longer than it will take.
+    batcher, sink, first = await _busy_with_a_full_batch(running, {0: 5.0})
     second = [item(batcher) for _ in range(4)]
     await asyncio.sleep(0.05)
     assert len(sink.batches) == 1
