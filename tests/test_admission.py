@@ -17,9 +17,10 @@ async def _never(batch: Batch) -> None:
 
 
 def make(capacity: int = 10, rate_limit: float = 0.0, burst: float = 0.0,
-         per_item_ms: float = 1.0) -> tuple[Admission, Batcher]:
+         per_item_ms: float = 1.0, interval_s: float = 0.1) -> tuple[Admission, Batcher]:
     batcher = Batcher(BatcherConfig(model="m", buckets=(16, 512), max_batch_size=4,
-                                    max_wait_s=0.005, max_inflight=1), _never)
+                                    max_wait_s=0.005, max_inflight=1,
+                                    standing_after_s=interval_s), _never)
     # As warm-up would: the short bucket costs per_item_ms an item, the long one 8x that.
     for size in (1, 4):
         batcher.times.observe(0, size, size * per_item_ms / 1000)
@@ -65,7 +66,7 @@ async def test_watermarks_refuse_sheddable_first_then_normal_then_critical() -> 
 
 
 async def test_deadline_refused_when_the_backlog_ahead_cannot_finish_in_time() -> None:
-    admission, batcher = make(capacity=1000)
+    admission, batcher = make(capacity=1000, interval_s=1.0)  # may buffer a second of work
     fill(batcher, 100)  # 100 short items at 1 ms each: ~100 ms of work
     with pytest.raises(VegaError) as caught:
         admission.admit(NORMAL, [0], deadline=0.05, now=0.0)
@@ -123,6 +124,24 @@ def test_token_bucket_keeps_a_reserve_for_critical() -> None:
     assert bucket.take(2.0, critical=True, now=0.0) == 0.0
     bucket.refund(3.0)
     assert bucket.tokens == pytest.approx(3.0)
+
+
+async def test_queue_buffers_at_most_an_interval_of_non_critical_work() -> None:
+    admission, batcher = make(capacity=1000)  # 1 ms an item, interval 100 ms
+    now = asyncio.get_running_loop().time()
+    fill(batcher, 90)
+    assert not batcher.standing(now)
+    admission.admit(NORMAL, [0], deadline=now + 100.0, now=now)  # 90 ms ahead: joins
+    fill(batcher, 60)  # 150 ms of work: more than the interval, not standing yet
+    with pytest.raises(VegaError) as full:
+        admission.admit(NORMAL, [0], deadline=now + 100.0, now=now)
+    assert full.value.code == "queue_full" and full.value.status == 429
+    assert full.value.retry_after_ms == pytest.approx(50.0)  # until it fits again
+    with pytest.raises(VegaError) as shed:
+        admission.admit(SHEDDABLE, [0], deadline=now + 100.0, now=now)
+    assert shed.value.code == "shed"
+    admission.admit(CRITICAL, [0], deadline=now + 100.0, now=now)  # critical is not capped
+    assert batcher.depth() == 150  # a refusal queues nothing
 
 
 async def test_standing_queue_keeps_non_critical_to_a_few_batches_of_work() -> None:

@@ -184,8 +184,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("deadline_margin_ms", "2", _float(0), "a number >= 0",
          "Safety margin added to predicted completion in deadline checks."),
     Spec("codel_interval_ms", "100", _float(1), "a number >= 1",
-         "A queue that has not emptied for this long is a standing queue: serve "
-         "newest first and refuse non-critical items older than this."),
+         "Non-critical items join the queue only while the work ahead of them is "
+         "under this; a queue that has not emptied for this long is a standing queue: "
+         "serve newest first and refuse non-critical items older than this."),
     Spec("codel_target_ms", "5", _float(0), "a number >= 0",
          "Under a standing queue, non-critical items join only while the work ahead is "
          "below this (or two full batches, if more)."),
