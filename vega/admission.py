@@ -79,8 +79,9 @@ class Admission:
         """Admit a request of ``len(buckets)`` items or raise; return each item's cost."""
         costs = [self.batcher.item_cost(bucket) for bucket in buckets]
         self._check_room(priority, len(buckets))
-        self._check_queue_time(priority, buckets, now)
-        self._check_deadline(priority, buckets, deadline, now)
+        ahead_s = self.batcher.backlog_s(priority)  # the work served before this request
+        self._check_queue_time(priority, buckets, ahead_s, now)
+        self._check_deadline(priority, buckets, deadline, ahead_s, now)
         if self.bucket is not None:
             wait_s = self.bucket.take(sum(costs), priority == CRITICAL, now)
             if wait_s > 0:
@@ -107,16 +108,14 @@ class Admission:
         """Refuse before the body is read when no request of this class could enter."""
         self._check_room(priority, 1)
 
-    def _check_queue_time(self, priority: int, buckets: Sequence[int], now: float) -> None:
+    def _check_queue_time(self, priority: int, buckets: Sequence[int], ahead_s: float,
+                          now: float) -> None:
         # Rule 5 (CoDel): the queue buffers bursts shorter than the interval, no more.
-        # Non-critical work may join it only while the work ahead of it fits in the
-        # interval; a longer queue cannot empty within it, so its oldest items would be
-        # shed after waiting the interval out. Admitted instead, a flood's first second
-        # was spent that way: at 1024 polite connections the queue took ~900 requests,
-        # shed ~800 of them 0.1 s later, and the ~40 callers left (the rest wait out
-        # Retry-After) filled batches at ~65% until the others came back.
-        # Once the queue has not emptied for an interval, keep it to a few batches of
-        # work and refuse the rest now, cheaply, rather than after they waited.
+        # A queue holding more work than that cannot empty within it, so its oldest items
+        # would be shed after waiting the interval out: refuse them now instead. (Admitted,
+        # a flood's onset filled the queue and was shed 0.1 s later, leaving at 1024 polite
+        # connections ~40 callers to fill the batches until Retry-After sent the rest back.)
+        # Once the queue has not emptied for an interval, keep it to a few batches of work.
         batcher = self.batcher
         if priority == CRITICAL:
             return
@@ -128,16 +127,14 @@ class Admission:
         else:
             target = batcher.config.standing_after_s
             reason = "queue holds as much work as it may buffer"
-        ahead_s = batcher.backlog_s(priority)
         if ahead_s > target:
             code = "shed" if priority == SHEDDABLE else "queue_full"
             raise VegaError(code, reason,
                             retry_after_ms=max(MIN_RETRY_MS, 1000 * (ahead_s - target)))
 
     def _check_deadline(self, priority: int, buckets: Sequence[int], deadline: float,
-                        now: float) -> None:
+                        ahead_s: float, now: float) -> None:
         batcher = self.batcher
-        ahead_s = batcher.backlog_s(priority)
         finish = now + ahead_s + self.config.margin_s
         size = batcher.config.max_batch_size
         worst = 0.0
