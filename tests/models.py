@@ -102,3 +102,12 @@ def ledger(path: str) -> list[int]:
             return [int(line) for line in lines if line.strip()]
     except FileNotFoundError:
         return []
+
+
+def encoder(name: str) -> SequenceModel:
+    """An ordinary eager module, as a user brings one: the PatchTST-like encoder at width
+    128 (6 layers, ~0.8 M parameters), not compiled to TorchScript."""
+    from vega.models.sensor import build_module
+
+    return SequenceModel(build_module(width=128, layers=6, heads=4, seed=2), name,
+                         channels=8, max_length=512, output_size=4)

@@ -143,6 +143,14 @@ SPECS: tuple[Spec, ...] = (
          "torch intra-op threads per executor thread (0 = torch's default)."),
     Spec("executor_threads", "1", _int(1, 64), "an integer 1-64",
          "Executor threads running batches (one per device is usual)."),
+    Spec("executor", "auto", _choice("auto", "thread", "process"), "auto, thread or process",
+         "Where the model runs: a thread of this process, or a model process of its own "
+         "(fed through shared memory, so an eager module's Python does not contend with "
+         "the event loop for the GIL); auto = process for an eager torch module, thread "
+         "for TorchScript and other adapters."),
+    Spec("model_timeout_s", "30", _float(0.01, 3600), "a number 0.01-3600",
+         "A batch running longer in a model process is taken to hang: the process is "
+         "killed and restarted, that batch answered 500 model_error."),
     Spec("warmup_batches", "2", _int(0, 100), "an integer 0-100",
          "Warm-up passes per (length bucket, batch size) before the process is ready."),
     Spec("max_batch_size", "32", _int(1, 4096), "an integer 1-4096",
@@ -264,6 +272,8 @@ class Settings:
     device: str
     torch_threads: int
     executor_threads: int
+    executor: str
+    model_timeout_s: float
     warmup_batches: int
     max_batch_size: int
     max_wait_ms: float

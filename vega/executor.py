@@ -1,21 +1,27 @@
-"""The executor: model code runs here, in threads, never on the event loop.
+"""The executor: model code runs here, never on the event loop.
 
-Each batch is collated, padded, run and split in a worker thread; then the loop is
-woken once (one ``call_soon_threadsafe``) to resolve all the batch's futures. A
-model that raises fails only that batch's items.
+Each batch is handed to a worker thread, which runs it on a runner: the model
+adapter itself (``thread``: collate, pad, forward and split in this process), or a
+model process (``process``: the thread packs the batch into shared memory and sleeps
+while a child runs it, see ``vega.modelproc``). Then the loop is woken once (one
+``call_soon_threadsafe``) to resolve all the batch's futures. A model that raises
+fails only that batch's items; a model process that dies fails only the batch it held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from vega.errors import VegaError
+from vega.modelproc import ModelProcess, ProcessPlan
 from vega.models import ModelAdapter
 from vega.records import Batch
 
@@ -31,9 +37,25 @@ def pick_device(setting: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+class Runner(Protocol):
+    def run(self, model: str, samples: list[Any], pad_to: int) -> list[Any]: ...
+
+
+class InThread:
+    """Runs batches in the calling thread, on the adapters themselves."""
+
+    def __init__(self, models: Mapping[str, ModelAdapter]) -> None:
+        self.models = models
+
+    def run(self, model: str, samples: list[Any], pad_to: int) -> list[Any]:
+        return self.models[model].run(samples, pad_to)
+
+
 class Executor:
+    """``threads`` worker threads; with a ``plan``, each drives a model process of its own."""
+
     def __init__(self, models: Mapping[str, ModelAdapter], threads: int = 1,
-                 torch_threads: int = 0) -> None:
+                 torch_threads: int = 0, plan: ProcessPlan | None = None) -> None:
         self.models = dict(models)
         self._torch_threads = torch_threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vega-exec",
@@ -42,6 +64,38 @@ class Executor:
         self.threads = threads
         self.busy_s = 0.0  # thread time spent in batches so far (utilisation = its rate)
         self._lock = threading.Lock()
+        self.kind = "thread" if plan is None else "process"
+        self._plan = plan
+        self.processes: list[ModelProcess] = []
+        # A runner per thread: a batch takes one and gives it back, so each model
+        # process runs one batch at a time.
+        self._runners: queue.SimpleQueue[Runner] = queue.SimpleQueue()
+        if plan is None:
+            in_thread = InThread(self.models)
+            for _ in range(threads):
+                self._runners.put(in_thread)
+
+    def load(self, device: str) -> None:
+        """Put the models on ``device`` (blocking): here, or in freshly started model processes."""
+        if self._plan is None:
+            for adapter in self.models.values():
+                self._pool.submit(adapter.load, device).result()
+            return
+        plan = dataclasses.replace(self._plan, device=device)
+        for index in range(self.threads):
+            process = ModelProcess(plan, index)
+            self.processes.append(process)
+            process.start()
+            self._runners.put(process)
+
+    @property
+    def available(self) -> bool:
+        """False while no model process is up to run a batch (one is restarting)."""
+        return self._plan is None or any(process.up for process in self.processes)
+
+    @property
+    def restarts(self) -> int:
+        return sum(process.restarts for process in self.processes)
 
     def _init_thread(self) -> None:
         if self._torch_threads:
@@ -72,16 +126,18 @@ class Executor:
         outputs: list[Any] | None = None
         error: BaseException | None = None
         began = time.perf_counter()
+        runner = self._runners.get()
         try:
-            model = self.models[batch.model]
             started = time.perf_counter()
-            outputs = model.run([item.sample for item in batch.items], batch.pad_to)
+            outputs = runner.run(batch.model, [item.sample for item in batch.items],
+                                 batch.pad_to)
             batch.infer_s = time.perf_counter() - started
             if len(outputs) != batch.size:
                 raise RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
         except Exception as exc:  # the model's failure is this batch's alone
             error = exc
         finally:
+            self._runners.put(runner)
             with self._lock:
                 self._running -= 1
                 self.busy_s += time.perf_counter() - began
@@ -92,12 +148,18 @@ class Executor:
 
     def run_sync(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
         """Run in the calling thread (warm-up, profiling); return outputs and seconds."""
-        started = time.perf_counter()
-        outputs = self.models[model].run(samples, pad_to)
-        return outputs, time.perf_counter() - started
+        runner = self._runners.get()
+        try:
+            started = time.perf_counter()
+            outputs = runner.run(model, samples, pad_to)
+            return outputs, time.perf_counter() - started
+        finally:
+            self._runners.put(runner)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        for process in self.processes:
+            process.close()
 
 
 def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | None,
@@ -107,15 +169,18 @@ def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | Non
     # thread before the batch's handlers write their answers.
     if not done.done():
         done.set_result(None)
-    if error is not None or outputs is None:
-        log.error("model %s failed on batch %d of %d: %r", batch.model, batch.id,
-                  batch.size, error)
-        failure = VegaError("model_error", f"model raised {type(error).__name__}")
-        for item in batch.items:
-            if not item.future.done():
-                item.future.set_exception(failure)
-    else:
+    if error is None and outputs is not None:
         for item, output in zip(batch.items, outputs):
             if not item.future.done():
                 item.infer_s = batch.infer_s
                 item.future.set_result(output)
+        return
+    if isinstance(error, VegaError):  # not run at all: no model process is up
+        failure = error
+    else:
+        log.error("model %s failed on batch %d of %d: %r", batch.model, batch.id,
+                  batch.size, error)
+        failure = VegaError("model_error", f"model raised {type(error).__name__}")
+    for item in batch.items:
+        if not item.future.done():
+            item.future.set_exception(failure)

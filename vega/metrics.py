@@ -50,6 +50,12 @@ class Metrics:
         self.redis_up = Gauge("vega_redis_up", "1 while Redis answers, 0 when it does not",
                               registry=r)
         self.ready = Gauge("vega_ready", "1 once warm and not draining", registry=r)
+        self.model_processes_up = Gauge(
+            "vega_model_processes_up", "Model processes up and warm (VEGA_EXECUTOR=process)",
+            registry=r)
+        self.model_process_restarts = Counter(
+            "vega_model_process_restarts_total", "Model processes restarted after dying or "
+            "hanging", registry=r)
         self.overflow_events = Counter(
             "vega_overflow_events_total", "What happened to overflow batches besides a "
             "plain steal: taken_back, reclaimed, dead_lettered, declined, late_reply, "

@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vega.admission import Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
 from vega.capacity import Capacity, CapacityConfig, Sample, sample_forever
@@ -22,7 +24,9 @@ from vega.config import Settings
 from vega.errors import REFUSALS, VegaError
 from vega.executor import Executor, pick_device
 from vega.metrics import Metrics
-from vega.models import ModelAdapter, load_model
+from vega.modelproc import ProcessPlan
+from vega.modelproc.slot import ALIGN
+from vega.models import ModelAdapter, load_model, runs_eagerly
 from vega.models.loader import ModelLoadError
 from vega.pacing import RefusalPacer
 from vega.records import PRIORITY_BY_NAME, PRIORITY_NAMES, Batch, Item
@@ -63,6 +67,11 @@ class Runtime:
             load_model(settings.model, settings.model_name)]
         self.default_model = self._adapters[0].name
         self.fallback_model = self._add_fallback(settings.fallback_model)
+        # What a model process rebuilds the adapters from; unknown for adapters given here.
+        specs = None if adapters is not None else tuple(
+            (spec, name) for spec, name in ((settings.model, settings.model_name),
+                                            (settings.fallback_model, ""))
+            if spec)
         self._degradable = frozenset(PRIORITY_BY_NAME[c] for c in settings.degrade_classes)
         self.capacity = Capacity(CapacityConfig(
             target=settings.capacity_target, grow_after_s=settings.capacity_grow_s,
@@ -72,8 +81,10 @@ class Runtime:
         self.models: dict[str, Served] = {}
         self.executor = Executor({a.name: a for a in self._adapters},
                                  threads=settings.executor_threads,
-                                 torch_threads=settings.torch_threads)
-        self.ready = False
+                                 torch_threads=settings.torch_threads,
+                                 plan=process_plan(settings, self._adapters, specs))
+        self._warm = False
+        self._restarts_counted = 0
         self.draining = False
         self.failed: BaseException | None = None
         # Called once the start has finished: with None when ready, else with the error.
@@ -110,8 +121,8 @@ class Runtime:
 
             torch.set_num_threads(s.torch_threads)
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.executor.load, self.device)
         for adapter in self._adapters:
-            await self.executor.call(adapter.load, self.device)
             batcher = Batcher(batcher_config(s, adapter.name, adapter.max_length,
                                              hands_off=bool(s.redis_url)),
                               self._sink, self.metrics.observe_batch)
@@ -139,9 +150,10 @@ class Runtime:
             log.error("start failed: %r", error)
             self.failed = error
         else:
-            self.ready = True
+            self._warm = True
             self.metrics.ready.set(1)
-            log.info("ready: model(s) %s on %s", ", ".join(self.models), self.device)
+            log.info("ready: model(s) %s on %s, in a %s", ", ".join(self.models), self.device,
+                     self.executor.kind)
         for callback in self.on_start:
             callback(error)
 
@@ -154,6 +166,11 @@ class Runtime:
             return self.executor.run_sync(adapter.name, samples, bound)[1]
 
         seed_batch_times(served.batcher, self.settings.warmup_batches, measure)
+
+    @property
+    def ready(self) -> bool:
+        """Warm, and a model process is up to run batches (while one restarts, not)."""
+        return self._warm and self.executor.available
 
     async def drain(self) -> None:
         """Stop admitting (503 draining) and wait for admitted work, bounded by the timeout."""
@@ -172,7 +189,7 @@ class Runtime:
         await self._quiet.wait()
 
     async def stop(self) -> None:
-        self.ready = False
+        self._warm = False
         if self._capacity_task is not None:
             self._capacity_task.cancel()
             await asyncio.gather(self._capacity_task, return_exceptions=True)
@@ -202,8 +219,8 @@ class Runtime:
             retry = max(1000.0, *(s.admission.retry_after_ms() for s in self.models.values()))
             raise VegaError("draining", "this process is shutting down", retry_after_ms=retry)
         if not self.ready:
-            raise VegaError("not_ready", "this process is still warming up",
-                            retry_after_ms=1000.0)
+            why = "is still warming up" if not self._warm else "has its model process restarting"
+            raise VegaError("not_ready", f"this process {why}", retry_after_ms=1000.0)
 
     async def infer(self, model: str | None, instances: list[Any], priority: int,
                     deadline_ms: float,
@@ -348,6 +365,11 @@ class Runtime:
     # -- what status and metrics read ----------------------------------------------
 
     def refresh_metrics(self) -> None:
+        self.metrics.ready.set(1 if self.ready and not self.draining else 0)
+        executor = self.executor
+        self.metrics.model_processes_up.set(sum(p.up for p in executor.processes))
+        self.metrics.model_process_restarts.inc(executor.restarts - self._restarts_counted)
+        self._restarts_counted = executor.restarts
         inflight = sum(s.batcher.inflight for s in self.models.values())
         for name, served in self.models.items():
             depths = [served.batcher.depth(p) for p in range(len(PRIORITY_NAMES))]
@@ -373,8 +395,13 @@ class Runtime:
                 "queue_age_ms": {p: round(1000 * age, 1)
                                  for p, age in self._queue_ages(served).items()},
             }
+        executor = self.executor
         return {"node": self.node_id, "ready": self.ready, "draining": self.draining,
-                "device": self.device, "active_requests": self.active_requests,
+                "device": self.device,
+                "executor": {"kind": executor.kind, "threads": executor.threads,
+                             "processes_up": sum(p.up for p in executor.processes),
+                             "restarts": executor.restarts,
+                             "pids": [p.pid for p in executor.processes]}, "active_requests": self.active_requests,
                 "models": models, "outcomes": self._outcomes(),
                 "redis_up": self.streams is not None and self.streams.up,
                 "peers": self.streams.peers if self.streams is not None else [],
@@ -476,6 +503,36 @@ def batcher_config(s: Settings, model: str, max_length: int,
         dispatch_when_idle=s.dispatch_when_idle, hands_off=hands_off,
         max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
         standing_after_s=s.codel_interval_ms / 1000)
+
+
+def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
+                 specs: tuple[tuple[str, str], ...] | None) -> ProcessPlan | None:
+    """How model processes are started, or None to run the models in threads.
+
+    ``auto`` picks a process for an eager torch module, whose forward pass would
+    otherwise contend with the loop for the GIL (DESIGN.md rule 12), and a thread for
+    TorchScript and other adapters. A process rebuilds the models from their specs
+    and takes their samples through shared memory, so both must be there.
+    """
+    eager = any(runs_eagerly(adapter) for adapter in adapters)
+    if s.executor == "thread" or (s.executor == "auto" and (not eager or specs is None)):
+        return None
+    if specs is None:
+        raise ModelLoadError("VEGA_EXECUTOR=process needs models given by VEGA_MODEL specs")
+    widest = 0
+    for adapter in adapters:
+        sample = adapter.example(adapter.max_length)
+        if not isinstance(sample, np.ndarray):
+            raise ModelLoadError(f"VEGA_EXECUTOR=process: model {adapter.name!r} decodes to "
+                                 f"{type(sample).__name__}, not numpy arrays")
+        widest = max(widest, sample.nbytes)
+    slot_bytes = max(1 << 20, s.max_batch_size * (widest + ALIGN))
+    top = s.max_batch_size
+    warm = tuple((adapter.name, bound, size) for adapter in adapters
+                 for bound in _buckets_for(s.length_buckets, adapter.max_length)
+                 for size in sorted({1, top}))
+    return ProcessPlan(specs=specs, device=s.device, torch_threads=s.torch_threads,
+                       slot_bytes=slot_bytes, timeout_s=s.model_timeout_s, warm_shapes=warm)
 
 
 def admission_config(s: Settings) -> AdmissionConfig:

@@ -154,6 +154,16 @@ class SequenceModel:
         return list(result)
 
 
+def runs_eagerly(adapter: Any) -> bool:
+    """True for a torch module that will run as Python (not TorchScript) once loaded."""
+    import torch
+
+    module = getattr(adapter, "module", None)
+    return (isinstance(adapter, SequenceModel) and not adapter.script
+            and isinstance(module, torch.nn.Module)
+            and not isinstance(module, torch.jit.ScriptModule))
+
+
 def _scripted(module: Any, name: str) -> Any:
     """The module compiled to TorchScript, or as it was if it cannot be.
 

@@ -1,0 +1,120 @@
+"""The model process's own loop: load the models, then answer batches until the pipe closes.
+
+Started as ``python -m vega.modelproc FD SLOT_FD``, so it shares nothing with
+the parent but a socket (FD) and the shared-memory slot (SLOT_FD, a memfd); the first
+message on the socket is its configuration: the model specs, the device and threads.
+Each request is a header (orjson) naming the model, ``pad_to`` and the samples' layout
+in the slot; the answer is a header with the outputs' layout, written over the
+samples, or carried in the message when they do not fit. A model that raises
+answers an error for that batch and the process goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import orjson
+
+from vega.modelproc import slot
+
+log = logging.getLogger("vega.modelproc")
+
+
+@dataclass(frozen=True)
+class ChildConfig:
+    specs: tuple[tuple[str, str], ...]  # (VEGA_MODEL-style spec, served name) per model
+    device: str
+    torch_threads: int
+    slot_bytes: int
+    warm_shapes: tuple[tuple[str, int, int], ...] = ()  # (model, length, size) untimed passes
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of the child process."""
+    # The parent drains on SIGTERM and Ctrl-C and closes this process when done; a
+    # signal meant for the service must not take the model away from admitted work.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s vega.modelproc: %(message)s")
+    conn = Connection(int(argv[0]))
+    raw = orjson.loads(conn.recv_bytes())
+    config = ChildConfig(**{**raw, "specs": tuple(tuple(s) for s in raw["specs"]),
+                            "warm_shapes": tuple(tuple(w) for w in raw["warm_shapes"])})
+    buffer = memoryview(mmap.mmap(int(argv[1]), config.slot_bytes))  # freed at exit
+    try:
+        models = _load(config)
+    except Exception as error:  # a model that cannot load: say why, then exit
+        conn.send_bytes(orjson.dumps({"ready": False,
+                                      "error": f"{type(error).__name__}: {error}"}))
+        return 1
+    conn.send_bytes(orjson.dumps({"ready": True, "pid": os.getpid()}))
+    _serve(models, buffer, conn)
+    return 0
+
+
+def encode_config(config: ChildConfig) -> bytes:
+    return orjson.dumps(dataclasses.asdict(config))
+
+
+def _load(config: ChildConfig) -> dict[str, Any]:
+    import torch
+
+    from vega.models import load_model
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    models = {}
+    for spec, name in config.specs:
+        adapter = load_model(spec, name)
+        adapter.load(config.device)
+        models[adapter.name] = adapter
+    for name, length, size in config.warm_shapes:
+        adapter = models[name]
+        adapter.run([adapter.example(length)] * size, length)
+    return models
+
+
+def _serve(models: dict[str, Any], buffer: memoryview, conn: Connection) -> None:
+    while True:
+        try:
+            request = orjson.loads(conn.recv_bytes())
+        except EOFError:
+            return  # the parent closed the pipe, or died
+        started = time.perf_counter()
+        try:
+            adapter = models[request["model"]]
+            samples = slot.unpack(buffer, request, copy=False)
+            outputs = adapter.run(samples, int(request["pad_to"]))
+            del samples  # views into the slot, about to be overwritten
+            outputs = [_as_array(output) for output in outputs]
+            infer_s = time.perf_counter() - started
+            try:
+                header = slot.pack(buffer, outputs)
+                conn.send_bytes(orjson.dumps({"ok": True, "infer_s": infer_s, **header}))
+            except slot.SlotOverflow:
+                payload = bytearray(sum(o.nbytes for o in outputs) + slot.ALIGN * len(outputs))
+                header = slot.pack(memoryview(payload), outputs)
+                conn.send_bytes(orjson.dumps({"ok": True, "infer_s": infer_s, "inline": True,
+                                              **header}))
+                conn.send_bytes(payload[: slot.nbytes(header)])
+        except Exception as error:  # the model's failure is this batch's alone
+            log.warning("model %s raised: %r", request.get("model"), error)
+            conn.send_bytes(orjson.dumps({"ok": False,
+                                          "error": f"{type(error).__name__}: {error}"}))
+
+
+def _as_array(output: Any) -> Any:
+    import numpy as np
+
+    array = np.ascontiguousarray(output)
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"model output of dtype {array.dtype} cannot leave a model process")
+    return array

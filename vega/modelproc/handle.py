@@ -1,0 +1,192 @@
+"""The parent's side of one model process: start it, run batches on it, restart it.
+
+One handle is driven by one executor thread at a time. It packs a batch into its
+shared-memory slot, sends the header and waits (without the GIL) for the answer. A
+child that dies or runs past ``timeout_s`` fails the batch it held; the handle then
+restarts it in the background with backoff and is unavailable until it is warm.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, NoReturn
+
+import orjson
+
+from vega.errors import VegaError
+from vega.modelproc import slot
+from vega.modelproc.child import ChildConfig, encode_config
+
+log = logging.getLogger("vega.modelproc")
+
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+STABLE_AFTER_S = 60.0  # a child that lived this long resets the backoff
+
+
+class ModelProcessError(RuntimeError):
+    """The model process died, hung or could not start; the message says which."""
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    """What a model process is started with (one per executor thread)."""
+
+    specs: tuple[tuple[str, str], ...]
+    device: str
+    torch_threads: int
+    slot_bytes: int
+    timeout_s: float  # a batch running longer is taken to hang
+    start_timeout_s: float = 300.0
+    warm_shapes: tuple[tuple[str, int, int], ...] = ()  # run after a restart, before ready
+
+
+class ModelProcess:
+    def __init__(self, plan: ProcessPlan, index: int = 0) -> None:
+        self.plan = plan
+        self.index = index
+        self.restarts = 0
+        self.pid: int | None = None
+        # A memfd: no name to leak, freed once both processes have closed it.
+        self._slot_fd = os.memfd_create(f"vega-slot-{index}")
+        os.ftruncate(self._slot_fd, plan.slot_bytes)
+        self._mmap = mmap.mmap(self._slot_fd, plan.slot_bytes)
+        self._buffer = memoryview(self._mmap)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._up = threading.Event()
+        self._closed = False
+        self._started_at = 0.0
+        self._failures = 0  # consecutive failed lives, for the backoff
+
+    @property
+    def up(self) -> bool:
+        """True while a warm child is there to run batches."""
+        return self._up.is_set()
+
+    def start(self) -> None:
+        """Start the child and wait until its models are loaded (raises ModelProcessError)."""
+        self._spawn(warm=False)
+
+    def run(self, model: str, samples: list[Any], pad_to: int) -> list[Any]:
+        """Run one batch on the child; raises VegaError(not_ready) while it restarts."""
+        conn = self._conn
+        if not self._up.is_set() or conn is None:
+            raise VegaError("not_ready", "the model process is restarting",
+                            retry_after_ms=1000.0 * self._backoff_s())
+        header = slot.pack(self._buffer, samples)
+        try:
+            conn.send_bytes(orjson.dumps({"model": model, "pad_to": pad_to, **header}))
+            if not conn.poll(self.plan.timeout_s):
+                self._kill(f"gave no answer within {self.plan.timeout_s:g} s")
+            reply = orjson.loads(conn.recv_bytes())
+            payload = conn.recv_bytes() if reply.get("inline") else None
+        except (EOFError, OSError) as error:
+            self._kill(f"died during a batch ({type(error).__name__})")
+        if not reply.get("ok"):
+            raise RuntimeError(str(reply.get("error", "model failed")))
+        return slot.unpack(self._buffer if payload is None else payload, reply, copy=True)
+
+    def close(self) -> None:
+        """Stop the child (it exits when its pipe closes) and free the slot."""
+        self._closed = True
+        self._up.clear()
+        self._stop_child(grace_s=5.0)
+        self._buffer.release()
+        self._mmap.close()
+        os.close(self._slot_fd)
+
+    # -- one life of the child -------------------------------------------------------
+
+    def _spawn(self, warm: bool) -> None:
+        plan = self.plan
+        config = ChildConfig(specs=plan.specs, device=plan.device,
+                             torch_threads=plan.torch_threads, slot_bytes=plan.slot_bytes,
+                             warm_shapes=plan.warm_shapes if warm else ())
+        ours, theirs = socket.socketpair()
+        # The child imports the models as this process did: same path, same directory.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vega.modelproc", str(theirs.fileno()),
+             str(self._slot_fd)], pass_fds=(theirs.fileno(), self._slot_fd), env=env,
+            stdin=subprocess.DEVNULL)
+        theirs.close()
+        conn = Connection(ours.detach())
+        self._process, self._conn = process, conn
+        try:
+            conn.send_bytes(encode_config(config))
+            if not conn.poll(plan.start_timeout_s):
+                raise ModelProcessError(f"model process did not load within "
+                                        f"{plan.start_timeout_s:g} s")
+            hello = orjson.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            hello = {"ready": False, "error": f"exited with status {process.poll()}"}
+        except ModelProcessError:
+            self._stop_child(grace_s=0.0)
+            raise
+        if not hello.get("ready"):
+            self._stop_child(grace_s=1.0)
+            raise ModelProcessError(f"model process failed to start: {hello.get('error')}")
+        self.pid = process.pid
+        self._started_at = time.monotonic()
+        self._up.set()
+        log.info("model process %d ready (pid %d)", self.index, process.pid)
+        threading.Thread(target=self._watch, args=(process,), daemon=True,
+                         name=f"vega-model-{self.index}-watch").start()
+
+    def _kill(self, why: str) -> NoReturn:
+        """Fail the batch the child held; its watcher sees it go and restarts it."""
+        self._up.clear()
+        log.error("model process %d (pid %s) %s", self.index, self.pid, why)
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.kill()
+        raise ModelProcessError(f"model process {why}")
+
+    def _watch(self, process: subprocess.Popen[bytes]) -> None:
+        """Wait for this life of the child to end; unless closing, start the next."""
+        process.wait()
+        self._up.clear()
+        if self._closed or process is not self._process:
+            return
+        log.error("model process %d (pid %s) exited with %s; restarting", self.index,
+                  process.pid, process.returncode)
+        if time.monotonic() - self._started_at > STABLE_AFTER_S:
+            self._failures = 0
+        self._stop_child(grace_s=0.0)
+        while not self._closed:
+            time.sleep(self._backoff_s())
+            self._failures += 1
+            try:
+                self._spawn(warm=True)
+            except ModelProcessError as error:
+                log.error("model process %d: %s; trying again", self.index, error)
+                continue
+            self.restarts += 1
+            if self._closed:  # closed while this life was starting
+                self._stop_child(grace_s=0.0)
+            return
+
+    def _backoff_s(self) -> float:
+        return BACKOFF_S[min(self._failures, len(BACKOFF_S) - 1)]
+
+    def _stop_child(self, grace_s: float) -> None:
+        conn, process = self._conn, self._process
+        self._conn = None
+        if conn is not None:
+            conn.close()  # the child's recv sees EOF and it returns
+        if process is not None:
+            try:
+                process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5.0)
+
