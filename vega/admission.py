@@ -120,9 +120,11 @@ class Admission:
         if priority == CRITICAL:
             return
         if batcher.standing(now):
+            # Two full batches of the longest kind queued or asked for: with mixed
+            # lengths the queue holds batches of every bucket, not only this request's.
             size = batcher.config.max_batch_size
-            target = max(self.config.standing_target_s,
-                         2 * max(batcher.times.predict(b, size) for b in set(buckets)))
+            longest = max(batcher.longest_queued(), *buckets)
+            target = max(self.config.standing_target_s, 2 * batcher.times.predict(longest, size))
             reason = "sustained overload: queue kept short"
         else:
             target = batcher.config.standing_after_s

@@ -74,6 +74,7 @@ class Batcher:
         self._on_batch_done = on_batch_done
         self._queues = [[deque[Item]() for _ in PRIORITY_NAMES] for _ in config.buckets]
         self._bucket_depth = [0] * len(config.buckets)
+        self._counts = [[0] * len(PRIORITY_NAMES) for _ in config.buckets]
         self._depth = [0] * len(PRIORITY_NAMES)
         self._cost = [0.0] * len(PRIORITY_NAMES)
         self._wake = asyncio.Event()
@@ -89,9 +90,10 @@ class Batcher:
     def depth(self, priority: int | None = None) -> int:
         return sum(self._depth) if priority is None else self._depth[priority]
 
-    def cost_ahead(self, priority: int) -> float:
-        """Queued cost that would be served before a new item of ``priority``."""
-        return sum(self._cost[: priority + 1])
+    def longest_queued(self) -> int:
+        """The longest bucket with items queued (0 when none is)."""
+        return next((b for b in range(len(self._bucket_depth) - 1, -1, -1)
+                     if self._bucket_depth[b]), 0)
 
     def bucket_depth(self, bucket: int) -> int:
         return self._bucket_depth[bucket]
@@ -101,14 +103,14 @@ class Batcher:
         return len(self._inflight)
 
     def backlog_s(self, priority: int = len(PRIORITY_NAMES) - 1) -> float:
-        """Predicted seconds to work through what is queued ahead of ``priority``."""
-        rate = self.rate.cost_per_s or self.predicted_cost_rate()
-        return self.cost_ahead(priority) / rate if rate > 0 else 0.0
+        """Predicted seconds to work through what is queued ahead of ``priority``.
 
-    def predicted_cost_rate(self) -> float:
-        """Cost units per second at full batches of the shortest bucket (before measuring)."""
-        unit_s = self.times.per_item_s(0, self.config.max_batch_size)
-        return self.config.parallelism / unit_s if unit_s > 0 else 0.0
+        The queued items as the batches they will run in (rule 2): a partial batch
+        costs what it will cost with the items that join it, not a full batch each.
+        """
+        counts = [sum(c[: priority + 1]) if self._bucket_depth[b] else 0
+                  for b, c in enumerate(self._counts)]
+        return self.times.drain_s(counts, self.config.max_batch_size) / self.config.parallelism
 
     def item_cost(self, bucket: int) -> float:
         """Compute cost of one item in ``bucket``, in shortest-bucket items (rule 3)."""
@@ -151,6 +153,7 @@ class Batcher:
         self._depth[item.priority] += sign
         self._cost[item.priority] += sign * item.cost
         self._bucket_depth[item.bucket] += sign
+        self._counts[item.bucket][item.priority] += sign
         if sign > 0 and self._nonempty_since is None:
             self._nonempty_since = item.enqueued_at
             self._idle.clear()
@@ -255,11 +258,57 @@ class Batcher:
         lifo = self.standing(now)
         if lifo:
             self._sweep_stale(bucket, now)
-        size = min(self.config.max_batch_size, self._bucket_depth[bucket])
-        finish = now + self.times.predict(bucket, size)
+        shares = self._shares(bucket)
+        top = max(shares)
+        size = min(self.config.max_batch_size, sum(shares.values()))
+        finish = now + self.times.predict(top, size)
         items: list[Item] = []
-        for priority, queue in enumerate(self._queues[bucket]):
-            while queue and len(items) < self.config.max_batch_size:
+        for source, count in shares.items():
+            self._take(source, count, items, finish, now, lifo)
+        pad_to = max((item.length for item in items), default=0)
+        return Batch(model=self.config.model, bucket=top, items=items, formed_at=now,
+                     pad_to=pad_to)
+
+    def _shares(self, bucket: int) -> dict[int, int]:
+        """How many items each bucket gives the batch formed for ``bucket``.
+
+        A partial batch takes in the nearest non-empty bucket on either side while one
+        batch of them all (padded to the longer) is predicted to cost less than the two
+        apart: the profiled costs, not the bucket bounds, say when padding is cheaper
+        than another forward pass.
+        """
+        cap = self.config.max_batch_size
+        depth = self._bucket_depth
+        size = min(cap, depth[bucket])
+        shares = {bucket: size}
+        low = high = bucket
+        predict = self.times.predict
+        while size < cap:
+            best: tuple[float, int, int] | None = None
+            below = next((b for b in range(low - 1, -1, -1) if depth[b]), None)
+            above = next((b for b in range(high + 1, len(depth)) if depth[b]), None)
+            for other in (below, above):
+                if other is None:
+                    continue
+                count = min(cap - size, depth[other])
+                top = max(high, other)
+                saved = predict(high, size) + predict(other, count) - predict(top, size + count)
+                if saved > 0 and (best is None or saved > best[0]):
+                    best = (saved, other, count)
+            if best is None:
+                break
+            _, other, count = best
+            shares[other] = count
+            size += count
+            low, high = min(low, other), max(high, other)
+        return shares
+
+    def _take(self, bucket: int, count: int, items: list[Item], finish: float, now: float,
+              lifo: bool) -> None:
+        """Move up to ``count`` live items of ``bucket`` into ``items``, critical first."""
+        taken = 0
+        for queue in self._queues[bucket]:
+            while queue and taken < count:
                 item = queue.pop() if lifo else queue.popleft()
                 if not item.live:
                     continue
@@ -270,8 +319,7 @@ class Batcher:
                     item.future.set_exception(refusal)
                 else:
                     items.append(item)
-        pad_to = max((item.length for item in items), default=0)
-        return Batch(model=self.config.model, bucket=bucket, items=items, formed_at=now, pad_to=pad_to)
+                    taken += 1
 
     def _sweep_stale(self, bucket: int, now: float) -> None:
         """Answer non-critical items that waited past the interval at the old end.

@@ -420,6 +420,12 @@ def _check_together(s: Settings) -> None:
             f"other than VEGA_MODEL")
 
 
+def length_bounds(configured: tuple[int, ...], max_length: int) -> tuple[int, ...]:
+    """The length buckets served: the configured bounds below the model's longest input,
+    and that longest input."""
+    return tuple(b for b in configured if b < max_length) + (max_length,)
+
+
 def env_file_text() -> str:
     """The documented env file: every setting with its default (conf/vega.env)."""
     lines = ["# Vega settings. Every line shows the default; uncomment to change.",

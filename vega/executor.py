@@ -16,13 +16,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+import numpy as np
+
+from vega.config import Settings, length_bounds
 from vega.errors import VegaError
 from vega.modelproc import ModelProcess, ProcessPlan
-from vega.models import ModelAdapter
+from vega.modelproc.slot import ALIGN
+from vega.models import ModelAdapter, runs_eagerly
+from vega.models.loader import ModelLoadError
 from vega.records import Batch
 
 log = logging.getLogger("vega.executor")
@@ -35,6 +40,36 @@ def pick_device(setting: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
+                 specs: tuple[tuple[str, str], ...] | None) -> ProcessPlan | None:
+    """How model processes are started, or None to run the models in threads.
+
+    ``auto`` picks a process for an eager torch module, whose forward pass would
+    otherwise contend with the loop for the GIL (DESIGN.md rule 12), and a thread for
+    TorchScript and other adapters. A process rebuilds the models from their specs
+    and takes their samples through shared memory, so both must be there.
+    """
+    eager = any(runs_eagerly(adapter) for adapter in adapters)
+    if s.executor == "thread" or (s.executor == "auto" and (not eager or specs is None)):
+        return None
+    if specs is None:
+        raise ModelLoadError("VEGA_EXECUTOR=process needs models given by VEGA_MODEL specs")
+    widest = 0
+    for adapter in adapters:
+        sample = adapter.example(adapter.max_length)
+        if not isinstance(sample, np.ndarray):
+            raise ModelLoadError(f"VEGA_EXECUTOR=process: model {adapter.name!r} decodes to "
+                                 f"{type(sample).__name__}, not numpy arrays")
+        widest = max(widest, sample.nbytes)
+    slot_bytes = max(1 << 20, s.max_batch_size * (widest + ALIGN))
+    top = s.max_batch_size
+    warm = tuple((adapter.name, bound, size) for adapter in adapters
+                 for bound in length_bounds(s.length_buckets, adapter.max_length)
+                 for size in sorted({1, top}))
+    return ProcessPlan(specs=specs, device=s.device, torch_threads=s.torch_threads,
+                       slot_bytes=slot_bytes, timeout_s=s.model_timeout_s, warm_shapes=warm)
 
 
 class Runner(Protocol):

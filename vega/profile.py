@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vega.config import ConfigError, Settings, load_settings
+from vega.config import ConfigError, Settings, length_bounds, load_settings
 
 EXIT_CONFIG = 2
 
@@ -80,20 +80,24 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
             torch_threads: int | None = None, buckets: list[int] | None = None,
             sizes: list[int], repeats: int = 5, progress: Any = None) -> dict[str, Any]:
     """Load the model and time every (bucket, size); return the profile document."""
-    from vega.executor import Executor, pick_device
+    from vega.executor import Executor, pick_device, process_plan
     from vega.models import load_model
 
     spec = model or settings.model
-    adapter = load_model(spec, settings.model_name if model is None else "")
+    name = settings.model_name if model is None else ""
+    adapter = load_model(spec, name)
     threads = settings.torch_threads if torch_threads is None else torch_threads
     chosen = pick_device(device or settings.device)
     if threads:
         import torch
 
         torch.set_num_threads(threads)
-    adapter.load(chosen)
-    executor = Executor({adapter.name: adapter}, threads=1, torch_threads=threads)
-    bounds = _bounds(buckets or list(settings.length_buckets), adapter.max_length)
+    # The model runs where a server would run it (VEGA_EXECUTOR): the times include
+    # what handing a batch to a model process costs.
+    plan = process_plan(settings.replace(torch_threads=threads), [adapter], ((spec, name),))
+    executor = Executor({adapter.name: adapter}, threads=1, torch_threads=threads, plan=plan)
+    executor.load(chosen)
+    bounds = list(length_bounds(tuple(buckets or settings.length_buckets), adapter.max_length))
     seconds: dict[str, dict[str, dict[str, float]]] = {}
     try:
         for bound in bounds:
@@ -112,13 +116,9 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
     finally:
         executor.shutdown()
     return {"model": adapter.name, "spec": spec, "device": chosen, "torch_threads": threads,
+            "executor": executor.kind,
             "host": platform.node(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "buckets": bounds, "sizes": sizes, "repeats": repeats, "seconds": seconds}
-
-
-def _bounds(bounds: list[int], max_length: int) -> list[int]:
-    # The same bucket bounds the runtime serves with (runtime._buckets_for).
-    return [b for b in bounds if b < max_length] + [max_length]
 
 
 def _p90(times: list[float]) -> float:

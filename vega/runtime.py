@@ -15,18 +15,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from vega.admission import Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
 from vega.capacity import Capacity, CapacityConfig, Sample, sample_forever
-from vega.config import Settings
+from vega.config import Settings, length_bounds
 from vega.errors import REFUSALS, VegaError
-from vega.executor import Executor, pick_device
+from vega.executor import Executor, pick_device, process_plan
 from vega.metrics import Metrics
-from vega.modelproc import ProcessPlan
-from vega.modelproc.slot import ALIGN
-from vega.models import ModelAdapter, load_model, runs_eagerly
+from vega.models import ModelAdapter, load_model
 from vega.models.loader import ModelLoadError
 from vega.pacing import RefusalPacer
 from vega.records import PRIORITY_BY_NAME, PRIORITY_NAMES, Batch, Item
@@ -498,41 +494,11 @@ def batcher_config(s: Settings, model: str, max_length: int,
                    hands_off: bool = False) -> BatcherConfig:
     """A model's batcher as the settings describe it (the simulator builds the same)."""
     return BatcherConfig(
-        model=model, buckets=_buckets_for(s.length_buckets, max_length),
+        model=model, buckets=length_bounds(s.length_buckets, max_length),
         max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
         dispatch_when_idle=s.dispatch_when_idle, hands_off=hands_off,
         max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
         standing_after_s=s.codel_interval_ms / 1000)
-
-
-def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
-                 specs: tuple[tuple[str, str], ...] | None) -> ProcessPlan | None:
-    """How model processes are started, or None to run the models in threads.
-
-    ``auto`` picks a process for an eager torch module, whose forward pass would
-    otherwise contend with the loop for the GIL (DESIGN.md rule 12), and a thread for
-    TorchScript and other adapters. A process rebuilds the models from their specs
-    and takes their samples through shared memory, so both must be there.
-    """
-    eager = any(runs_eagerly(adapter) for adapter in adapters)
-    if s.executor == "thread" or (s.executor == "auto" and (not eager or specs is None)):
-        return None
-    if specs is None:
-        raise ModelLoadError("VEGA_EXECUTOR=process needs models given by VEGA_MODEL specs")
-    widest = 0
-    for adapter in adapters:
-        sample = adapter.example(adapter.max_length)
-        if not isinstance(sample, np.ndarray):
-            raise ModelLoadError(f"VEGA_EXECUTOR=process: model {adapter.name!r} decodes to "
-                                 f"{type(sample).__name__}, not numpy arrays")
-        widest = max(widest, sample.nbytes)
-    slot_bytes = max(1 << 20, s.max_batch_size * (widest + ALIGN))
-    top = s.max_batch_size
-    warm = tuple((adapter.name, bound, size) for adapter in adapters
-                 for bound in _buckets_for(s.length_buckets, adapter.max_length)
-                 for size in sorted({1, top}))
-    return ProcessPlan(specs=specs, device=s.device, torch_threads=s.torch_threads,
-                       slot_bytes=slot_bytes, timeout_s=s.model_timeout_s, warm_shapes=warm)
 
 
 def admission_config(s: Settings) -> AdmissionConfig:
@@ -559,12 +525,6 @@ def seed_batch_times(batcher: Batcher, passes: int,
                 seconds = measure(bound, size)
                 batcher.times.observe(bucket, size, seconds)
                 batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
-
-
-def _buckets_for(bounds: tuple[int, ...], max_length: int) -> tuple[int, ...]:
-    """The configured bounds below the model's longest input, and that longest input."""
-    kept = tuple(b for b in bounds if b < max_length)
-    return kept + (max_length,)
 
 
 def _log_task_end(task: asyncio.Task[None]) -> None:

@@ -44,6 +44,28 @@ class BatchTimes:
             line = self._nearest(bucket)
         return line.at(size) if line is not None else 0.0
 
+    def drain_s(self, counts: list[int], max_size: int) -> float:
+        """Seconds to run ``counts[bucket]`` items of each bucket in batches of up to ``max_size``.
+
+        Full batches at their size; the partial ones that are left share batches (the
+        batcher forms a batch across neighbouring buckets when one costs less than two),
+        so their fixed cost is paid once per ``max_size`` of them, not once per bucket.
+        """
+        seconds = fixed = 0.0
+        rest_total = 0
+        for bucket, items in enumerate(counts):
+            if not items:
+                continue
+            line = self._lines[bucket] or self._nearest(bucket)
+            if line is None:
+                continue
+            full, rest = divmod(items, max_size)
+            seconds += full * line.at(max_size) + rest * line.per_item_s
+            if rest:
+                rest_total += rest
+                fixed = max(fixed, line.fixed_s)
+        return seconds + fixed * -(-rest_total // max_size)
+
     def per_item_s(self, bucket: int, size: int) -> float:
         return self.predict(bucket, size) / max(1, size)
 

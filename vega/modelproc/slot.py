@@ -89,7 +89,7 @@ def nbytes(header: dict[str, Any]) -> int:
     """Bytes the arrays of ``header`` take in a slot."""
     dtype = np.dtype(header["dtype"])
     if "count" in header:
-        return dtype.itemsize * int(header["count"]) * int(np.prod(header["shape"]))
+        return int(dtype.itemsize * int(header["count"]) * int(np.prod(header["shape"])))
     offset = 0
     for shape in header["shapes"]:
         offset = _aligned(offset + int(np.prod(shape)) * dtype.itemsize)

@@ -1,0 +1,156 @@
+"""A user's own eager module, served at default settings: fixed and mixed window lengths.
+
+``scripts/bench_eager [SECONDS] [--rounds=N]`` (defaults 10, 1). The model is the eager
+test module ``python:tests.models:encoder`` (PatchTST-like, width 128, 6 layers; not the
+built-in model, not TorchScript). Every server runs with VEGA_TORCH_THREADS=1 and
+otherwise default settings: priority ``normal``, the default 1-s deadline. Each phase
+runs on a fresh server, and each round takes them in turn:
+
+1. the module alone, no HTTP, one thread, batch sizes 8..64 at 64 steps: the ceiling;
+2. 64 connections, 64 steps, the model in a thread (VEGA_EXECUTOR=thread);
+3. the same at the default executor (a model process for an eager module);
+4. 64 connections, lengths uniform in 16..256, default length buckets;
+5. the same with one bucket (VEGA_LENGTH_BUCKETS=512);
+6. 1024 connections that honour Retry-After, 64 steps.
+
+Ratios come from one run; the load generator shares the machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_core import batch_seconds, serve, summary  # noqa: E402
+
+MODEL = "python:tests.models:encoder"
+MIXED = "uniform:16:256"
+PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
+    ("fixed_thread_64", {"VEGA_EXECUTOR": "thread"}, 64, "64"),
+    ("fixed_default_64", {}, 64, "64"),
+    ("mixed_buckets_64", {}, 64, MIXED),
+    ("mixed_one_bucket_64", {"VEGA_LENGTH_BUCKETS": "512"}, 64, MIXED),
+    ("fixed_default_1024", {}, 1024, "64"),
+)
+
+
+def ceiling(length: int = 64, sizes: tuple[int, ...] = (8, 16, 32, 64),
+            per_size_s: float = 1.5) -> dict[int, float]:
+    """The eager module's own items/s per batch size, in this thread."""
+    import torch
+
+    from tests.models import encoder
+
+    torch.set_num_threads(1)
+    model = encoder("encoder")
+    model.load("cpu")
+    sample = model.example(length)
+    rates = {}
+    for size in sizes:
+        batch = [sample] * size
+        for _ in range(3):
+            model.run(batch, length)
+        runs, started = 0, time.perf_counter()
+        while runs < 3 or time.perf_counter() - started < per_size_s:
+            model.run(batch, length)
+            runs += 1
+        rates[size] = size * runs / (time.perf_counter() - started)
+    return rates
+
+
+def load(port: int, connections: int, seconds: float, lengths: str, out: Path) -> dict[str, Any]:
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "vega.loadgen", f"http://127.0.0.1:{port}",
+                    "--mode", "closed", "--connections", str(connections),
+                    "--max-connections", str(connections), "--duration-s", str(seconds),
+                    "--lengths", lengths, "--mix", "normal=1", "--deadline-ms", "1000",
+                    "--out", str(out), "--no-progress", "--honor-retry-after"],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=seconds + 120)
+    report: dict[str, Any] = json.loads((out / "report.json").read_text())
+    return report
+
+
+def run_phase(port: int, env: dict[str, str], connections: int, lengths: str,
+              seconds: float, out: Path) -> dict[str, Any]:
+    proc = serve(port, VEGA_MODEL=MODEL, **env)
+    try:
+        status = json.loads(_get(port, "/v1/status"))
+        busy_before = batch_seconds(port)
+        report = load(port, connections, seconds, lengths, out)
+        busy_after = batch_seconds(port)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    batches = busy_after[1] - busy_before[1]
+    phase = summary(report, seconds)
+    phase["executor"] = status.get("executor", {}).get("kind")
+    phase["mean_batch_ms"] = 1000 * (busy_after[0] - busy_before[0]) / batches if batches else None
+    phase["refused"] = sum(n for code, n in phase["by_status"].items() if code != "200")
+    return phase
+
+
+def _get(port: int, path: str) -> str:
+    import httpx
+
+    return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5).text
+
+
+def ratios(round_: dict[str, Any]) -> dict[str, float]:
+    best = max(round_["ceiling_items_per_s"].values())
+    ok = {name: round_[name]["ok_rate"] for name, *_ in PHASES if name in round_}
+    return {
+        "thread_64_vs_ceiling": ok["fixed_thread_64"] / best,
+        "default_64_vs_ceiling": ok["fixed_default_64"] / best,
+        "mixed_buckets_vs_one_bucket": ok["mixed_buckets_64"] / max(ok["mixed_one_bucket_64"], 1e-9),
+        "ok_1024_vs_64": ok["fixed_default_1024"] / max(ok["fixed_default_64"], 1e-9),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="The eager-module benchmark (see the docstring).")
+    parser.add_argument("seconds", nargs="?", type=float, default=10.0, help="per phase")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--phases", default="", help="comma-separated phase names (default all)")
+    options = parser.parse_args()
+    chosen = set(filter(None, options.phases.split(",")))
+    out = Path(tempfile.mkdtemp(prefix="vega-bench-eager-"))
+    results: dict[str, Any] = {"seconds": options.seconds, "rounds": []}
+    port = 18800
+    for number in range(1, options.rounds + 1):
+        round_: dict[str, Any] = {"ceiling_items_per_s": ceiling()}
+        print(f"round {number} model alone, 64 steps: " + ", ".join(
+            f"b{k}: {v:.0f}/s" for k, v in round_["ceiling_items_per_s"].items()), flush=True)
+        for name, env, connections, lengths in PHASES:
+            if chosen and name not in chosen:
+                continue
+            round_[name] = run_phase(port, env, connections, lengths, options.seconds,
+                                     out / f"{number}-{name}")
+            port += 1
+            print(f"round {number} {name}: {json.dumps(round_[name])}", flush=True)
+        round_["ratios"] = ratios(round_) if not chosen else {}
+        print(f"round {number} ratios: "
+              + json.dumps({k: round(v, 2) for k, v in round_["ratios"].items()}), flush=True)
+        results["rounds"].append(round_)
+    keys = results["rounds"][0]["ratios"]
+    results["median_ratios"] = {k: statistics.median(r["ratios"][k] for r in results["rounds"])
+                                for k in keys}
+    print("median ratios: " + json.dumps({k: round(v, 2)
+                                          for k, v in results["median_ratios"].items()}))
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
