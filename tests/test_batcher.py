@@ -401,3 +401,50 @@ async def test_standing_queue_sweeps_stale_items_from_the_old_end(running: Start
     assert batcher.depth() == 0
     ran = {i.id for b in sink.batches for i in b.items}
     assert ran == {i.id for i in first + fresh}
+
+
+def costed(batcher: Batcher, lines: dict[int, tuple[float, float]]) -> None:
+    """Seed the predictor: bucket b's batch costs ``fixed + per_item * size`` seconds."""
+    for bucket, (fixed, per_item) in lines.items():
+        for size in (1, 4):
+            batcher.times.observe(bucket, size, fixed + per_item * size)
+
+
+async def formed_once(batcher: Batcher, sink: RecordingSink, items: list[Item]) -> Batch:
+    """Queue ``items`` before the loop looks, then let it form one batch."""
+    task = asyncio.create_task(batcher.run())
+    try:
+        while not sink.batches:
+            await asyncio.sleep(0.001)
+        return sink.batches[0]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_neighbouring_buckets_share_a_batch_when_padding_costs_less_than_a_pass() -> None:
+    # A large fixed cost per forward pass, little per item: one batch of both is cheaper.
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher = Batcher(config(max_batch_size=4, dispatch_when_idle=True), sink)
+    costed(batcher, {0: (0.010, 0.0001), 1: (0.010, 0.0002), 2: (0.010, 0.001)})
+    short = [item(batcher, length=10), item(batcher, length=12)]
+    middle = [item(batcher, length=40)]
+    batch = await formed_once(batcher, sink, short + middle)
+    assert sorted(i.length for i in batch.items) == [10, 12, 40]
+    assert batch.bucket == 1 and batch.pad_to == 40
+
+
+async def test_buckets_stay_apart_when_padding_costs_more_than_a_pass() -> None:
+    # Per-item cost grows steeply with length: padding short items to 512 steps costs more
+    # than running them on their own.
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher = Batcher(config(max_batch_size=4, dispatch_when_idle=True), sink)
+    costed(batcher, {0: (0.001, 0.0001), 1: (0.001, 0.0004), 2: (0.001, 0.02)})
+    short = [item(batcher, length=10), item(batcher, length=12)]
+    long = [item(batcher, length=300)]
+    batch = await formed_once(batcher, sink, short + long)
+    assert sorted(i.length for i in batch.items) == [10, 12]
+    assert batch.bucket == 0 and batch.pad_to == 12
+    assert batcher.bucket_depth(2) == 1  # the long one waits for a batch of its own

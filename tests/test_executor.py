@@ -1,0 +1,158 @@
+"""Where the model runs: in a thread, or in a model process fed through shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from tests.models import FAIL_MARK, encoder, window
+from tests.servers import VegaProcess, metric, wait_until
+from vega.errors import VegaError
+from vega.executor import Executor
+from vega.modelproc import ProcessPlan
+from vega.models import SequenceModel, load_model
+from vega.records import Batch, Item
+
+ENCODER = "python:tests.models:encoder"
+ECHO = "python:tests.models:echo"
+
+
+def plan(spec: str, name: str, timeout_s: float = 30.0) -> ProcessPlan:
+    return ProcessPlan(specs=((spec, name),), device="cpu", torch_threads=1,
+                       slot_bytes=1 << 20, timeout_s=timeout_s)
+
+
+@pytest.fixture(params=["thread", "process"])
+def encoder_executor(request: pytest.FixtureRequest) -> Iterator[tuple[Executor, SequenceModel]]:
+    model = encoder("encoder")
+    executor = Executor({"encoder": model}, torch_threads=1,
+                        plan=plan(ENCODER, "encoder") if request.param == "process" else None)
+    executor.load("cpu")
+    assert executor.kind == request.param
+    yield executor, model
+    executor.shutdown()
+
+
+@pytest.mark.parametrize("lengths", [[64] * 8, [1, 9, 16, 63, 64, 130, 200, 256]])
+def test_each_way_gives_the_models_own_outputs(
+        encoder_executor: tuple[Executor, SequenceModel], lengths: list[int]) -> None:
+    executor, model = encoder_executor
+    reference = encoder("reference")  # the same seed, run directly in this thread
+    reference.load("cpu")
+    rng = np.random.default_rng(len(set(lengths)))
+    samples = [model.decode(rng.standard_normal((n, 8)).tolist())[0] for n in lengths]
+    outputs, _ = executor.run_sync("encoder", samples, max(lengths))
+    assert len(outputs) == len(samples)
+    for sample, output in zip(samples, outputs):
+        alone = reference.run([sample], sample.shape[0])[0]
+        assert output.dtype == np.float32
+        np.testing.assert_allclose(output, alone, atol=1e-5)
+
+
+async def test_a_raising_model_fails_only_its_batch_in_a_model_process() -> None:
+    model = load_model(ECHO, "echo")
+    executor = Executor({"echo": model}, plan=plan(ECHO, "echo"))
+    await asyncio.get_running_loop().run_in_executor(None, executor.load, "cpu")
+    loop = asyncio.get_running_loop()
+
+    def batch(first: float) -> Batch:
+        rows = window(4)
+        rows[0][0] = first
+        items = [Item(model="echo", sample=model.decode(rows)[0], length=4, priority=1,
+                      deadline=loop.time() + 10, future=loop.create_future())]
+        return Batch(model="echo", bucket=0, items=items, formed_at=loop.time(), pad_to=4)
+
+    try:
+        failing, fine = batch(FAIL_MARK), batch(0.5)
+        await executor.run(failing)
+        await executor.run(fine)
+        with pytest.raises(VegaError) as failed:
+            failing.items[0].future.result()
+        assert failed.value.code == "model_error"
+        assert fine.items[0].future.result()[1] == 4.0  # echo: [sum, length, batch size]
+        assert executor.available and executor.restarts == 0
+    finally:
+        executor.shutdown()
+
+
+def infer(url: str, first: float = 0.5, deadline_ms: int = 10_000) -> httpx.Response:
+    rows = window(8)
+    rows[0][0] = first
+    return httpx.post(url + "/v1/infer", content=orjson.dumps(
+        {"inputs": rows, "deadline_ms": deadline_ms}), timeout=30)
+
+
+def model_pid(proc: VegaProcess) -> int:
+    status = httpx.get(proc.url + "/v1/status", timeout=5).json()
+    assert status["executor"]["kind"] == "process"
+    return int(status["executor"]["pids"][0])
+
+
+def ready(proc: VegaProcess) -> bool:
+    return httpx.get(proc.url + "/readyz", timeout=5).status_code == 200
+
+
+@pytest.fixture
+def echo_process(vega: Callable[..., VegaProcess]) -> Callable[..., VegaProcess]:
+    def start(**env: str) -> VegaProcess:
+        return vega(VEGA_MODEL=ECHO, VEGA_EXECUTOR="process", TEST_HANG_MS="4000", **env)
+    return start
+
+
+def test_a_model_process_killed_mid_batch_fails_that_batch_and_comes_back(
+        echo_process: Callable[..., VegaProcess]) -> None:
+    proc = echo_process()
+    assert infer(proc.url).status_code == 200
+    first = model_pid(proc)
+    with ThreadPoolExecutor(1) as pool:
+        hanging = pool.submit(infer, proc.url, -FAIL_MARK)  # its batch sleeps 4 s
+        wait_until(lambda: metric(proc, "vega_inflight_batches") >= 1, 10, "a batch running")
+        os.kill(first, signal.SIGKILL)
+        answer = hanging.result(timeout=20)
+    assert answer.status_code == 500 and answer.json()["error"]["code"] == "model_error"
+    # Not ready while no model process is up; ready again after the restart's warm-up.
+    wait_until(lambda: ready(proc) and model_pid(proc) != first, 60, "the restart")
+    assert infer(proc.url).status_code == 200
+    assert metric(proc, "vega_model_process_restarts_total") == 1
+    assert metric(proc, "vega_model_processes_up") == 1
+
+
+def test_a_hung_model_process_is_killed_after_the_timeout_and_restarted(
+        echo_process: Callable[..., VegaProcess]) -> None:
+    proc = echo_process(VEGA_MODEL_TIMEOUT_S="0.5")
+    first = model_pid(proc)
+    answer = infer(proc.url, -FAIL_MARK)
+    assert answer.status_code == 500 and answer.json()["error"]["code"] == "model_error"
+    wait_until(lambda: ready(proc) and model_pid(proc) != first, 60, "the restart")
+    assert infer(proc.url).status_code == 200
+
+
+def test_requests_while_the_model_process_restarts_get_503_not_ready(
+        echo_process: Callable[..., VegaProcess]) -> None:
+    proc = echo_process(TEST_LOAD_SLEEP_MS="3000")  # a slow warm-up, after the first too
+    first = model_pid(proc)
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: not ready(proc), 10, "not ready")
+    answer = infer(proc.url)
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready"
+    assert int(answer.headers["retry-after"]) >= 1
+    wait_until(lambda: ready(proc), 60, "ready again")
+    assert infer(proc.url).status_code == 200
+
+
+def test_auto_runs_an_eager_module_in_a_process_and_torchscript_in_a_thread(
+        vega: Callable[..., VegaProcess]) -> None:
+    eager = vega(VEGA_MODEL=ENCODER)
+    status = httpx.get(eager.url + "/v1/status", timeout=5).json()
+    assert status["executor"]["kind"] == "process" and status["executor"]["processes_up"] == 1
+    assert infer(eager.url).status_code == 200
+    builtin = vega()
+    assert httpx.get(builtin.url + "/v1/status", timeout=5).json()["executor"]["kind"] == "thread"

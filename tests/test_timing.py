@@ -1,0 +1,44 @@
+"""The batch-time predictor (rule 2): lines fitted per bucket, and the drain of a queue."""
+
+from __future__ import annotations
+
+import pytest
+
+from vega.timing import BatchTimes
+
+
+def seeded(lines: dict[int, tuple[float, float]], buckets: int) -> BatchTimes:
+    """A predictor whose bucket b costs ``fixed + per_item * size`` seconds (exactly)."""
+    times = BatchTimes(buckets)
+    for bucket, (fixed, per_item) in lines.items():
+        for size in (1, 8, 32):
+            times.observe(bucket, size, fixed + per_item * size)
+    return times
+
+
+def test_a_line_is_fitted_from_measured_batches() -> None:
+    times = seeded({0: (0.002, 0.0001)}, 1)
+    assert times.predict(0, 16) == pytest.approx(0.002 + 0.0016)
+    line = times.line(0)
+    assert line is not None and line.fixed_s == pytest.approx(0.002)
+
+
+def test_an_unmeasured_bucket_borrows_the_next_longer_line() -> None:
+    times = seeded({2: (0.004, 0.001)}, 3)
+    assert times.predict(0, 4) == pytest.approx(times.predict(2, 4))
+
+
+def test_partial_batches_of_several_buckets_pay_one_fixed_cost_per_batch() -> None:
+    # Three buckets with 5 items each: they share one batch of up to 32, so the queue
+    # costs one fixed part, not three (nor three full batches).
+    times = seeded({0: (0.002, 0.0001), 1: (0.002, 0.0002), 2: (0.003, 0.0004)}, 3)
+    drained = times.drain_s([5, 5, 5], max_size=32)
+    assert drained == pytest.approx(0.003 + 5 * (0.0001 + 0.0002 + 0.0004))
+    assert drained < sum(times.predict(b, 5) for b in range(3))
+
+
+def test_full_batches_are_counted_at_their_size() -> None:
+    times = seeded({0: (0.002, 0.0001)}, 1)
+    assert times.drain_s([70], max_size=32) == pytest.approx(
+        2 * times.predict(0, 32) + 6 * 0.0001 + 0.002)
+    assert times.drain_s([0], max_size=32) == 0.0
