@@ -42,13 +42,14 @@ sys.path.insert(0, str(ROOT))
 
 
 def ceiling(length: int, sizes: tuple[int, ...] = (1, 8, 16, 32, 64),
-            per_size_s: float = 2.0) -> dict[int, float]:
+            per_size_s: float = 2.0, spec: str = "sensor") -> dict[int, float]:
+    """The model's own items/s per batch size, in this thread, on one torch thread."""
     import torch
 
     from vega.models import load_model
 
     torch.set_num_threads(1)
-    model = load_model("sensor")
+    model = load_model(spec)
     model.load("cpu")
     sample = model.example(length)
     rates = {}

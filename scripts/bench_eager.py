@@ -23,7 +23,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_core import batch_seconds, serve, summary  # noqa: E402
+from bench_core import batch_seconds, ceiling, serve, summary  # noqa: E402
 
 MODEL = "python:tests.models:encoder"
 MIXED = "uniform:16:256"
@@ -42,30 +41,6 @@ PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("mixed_one_bucket_64", {"VEGA_LENGTH_BUCKETS": "512"}, 64, MIXED),
     ("fixed_default_1024", {}, 1024, "64"),
 )
-
-
-def ceiling(length: int = 64, sizes: tuple[int, ...] = (8, 16, 32, 64),
-            per_size_s: float = 1.5) -> dict[int, float]:
-    """The eager module's own items/s per batch size, in this thread."""
-    import torch
-
-    from tests.models import encoder
-
-    torch.set_num_threads(1)
-    model = encoder("encoder")
-    model.load("cpu")
-    sample = model.example(length)
-    rates = {}
-    for size in sizes:
-        batch = [sample] * size
-        for _ in range(3):
-            model.run(batch, length)
-        runs, started = 0, time.perf_counter()
-        while runs < 3 or time.perf_counter() - started < per_size_s:
-            model.run(batch, length)
-            runs += 1
-        rates[size] = size * runs / (time.perf_counter() - started)
-    return rates
 
 
 def load(port: int, connections: int, seconds: float, lengths: str, out: Path) -> dict[str, Any]:
@@ -128,7 +103,8 @@ def main() -> int:
     results: dict[str, Any] = {"seconds": options.seconds, "rounds": []}
     port = 18800
     for number in range(1, options.rounds + 1):
-        round_: dict[str, Any] = {"ceiling_items_per_s": ceiling()}
+        round_: dict[str, Any] = {
+            "ceiling_items_per_s": ceiling(64, (8, 16, 32, 64), per_size_s=1.5, spec=MODEL)}
         print(f"round {number} model alone, 64 steps: " + ", ".join(
             f"b{k}: {v:.0f}/s" for k, v in round_["ceiling_items_per_s"].items()), flush=True)
         for name, env, connections, lengths in PHASES:
