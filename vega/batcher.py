@@ -108,6 +108,8 @@ class Batcher:
         The queued items as the batches they will run in (rule 2): a partial batch
         costs what it will cost with the items that join it, not a full batch each.
         """
+        if not any(self._depth[: priority + 1]):
+            return 0.0
         counts = [sum(c[: priority + 1]) if self._bucket_depth[b] else 0
                   for b, c in enumerate(self._counts)]
         return self.times.drain_s(counts, self.config.max_batch_size) / self.config.parallelism
