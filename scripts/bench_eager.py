@@ -38,7 +38,9 @@ PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("fixed_thread_64", {"VEGA_EXECUTOR": "thread"}, 64, "64"),
     ("fixed_default_64", {}, 64, "64"),
     ("mixed_buckets_64", {}, 64, MIXED),
-    ("mixed_one_bucket_64", {"VEGA_LENGTH_BUCKETS": "512"}, 64, MIXED),
+    ("mixed_fixed_buckets_64", {"VEGA_BUCKET_PADDING": "0"}, 64, MIXED),
+    ("mixed_one_bucket_64", {"VEGA_LENGTH_BUCKETS": "512", "VEGA_BUCKET_PADDING": "0"}, 64,
+     MIXED),
     ("fixed_default_1024", {}, 1024, "64"),
 )
 

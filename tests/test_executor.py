@@ -154,5 +154,13 @@ def test_auto_runs_an_eager_module_in_a_process_and_torchscript_in_a_thread(
     status = httpx.get(eager.url + "/v1/status", timeout=5).json()
     assert status["executor"]["kind"] == "process" and status["executor"]["processes_up"] == 1
     assert infer(eager.url).status_code == 200
+    # Its buckets were cut from its measured costs (finer than powers of two where a
+    # window's cost grows with its length), and the padding it paid is reported.
+    model = httpx.get(eager.url + "/v1/status", timeout=5).json()["models"]["encoder"]
+    assert model["length_buckets"][-1] == 512 and len(model["length_buckets"]) > 6
+    assert 0.0 <= model["padding_share"] < 1.0
+    assert metric(eager, "vega_length_bucket_upper_steps", model="encoder",
+                  bucket=str(len(model["length_buckets"]) - 1)) == 512
+    assert metric(eager, "vega_batch_steps_total", model="encoder") > 0
     builtin = vega()
     assert httpx.get(builtin.url + "/v1/status", timeout=5).json()["executor"]["kind"] == "thread"

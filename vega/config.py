@@ -165,6 +165,10 @@ SPECS: tuple[Spec, ...] = (
     Spec("length_buckets", "16,32,64,128,256,512", _buckets,
          "increasing positive integers, comma separated",
          "Upper bounds of the length buckets; a batch pads only to its own longest item."),
+    Spec("bucket_padding", "0.25", _float(0, 10), "a number 0-10",
+         "After warm-up, the length buckets are cut again from the measured batch times so "
+         "that padding an item to its bucket's bound costs at most this share more per item "
+         "(0 = VEGA_LENGTH_BUCKETS as given; those bounds are where warm-up measures)."),
     Spec("max_inflight_batches", "2", _int(1, 64), "an integer 1-64",
          "Batches formed ahead while others run (pipelining bound); each is formed just "
          "before a thread frees."),
@@ -279,6 +283,7 @@ class Settings:
     max_wait_ms: float
     dispatch_when_idle: bool
     length_buckets: tuple[int, ...]
+    bucket_padding: float
     max_inflight_batches: int
     queue_capacity: int
     shed_watermark: float

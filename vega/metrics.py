@@ -36,6 +36,15 @@ class Metrics:
                                     buckets=SIZE_BUCKETS, registry=r)
         self.padding = Histogram("vega_batch_padding_ratio", "Share of a batch tensor that is padding",
                                  ["model"], buckets=RATIO_BUCKETS, registry=r)
+        self.padded_steps = Counter("vega_padded_steps_total",
+                                    "Timesteps of padding run through the model", ["model"],
+                                    registry=r)
+        self.batch_steps = Counter("vega_batch_steps_total",
+                                   "Timesteps run through the model, padding included",
+                                   ["model"], registry=r)
+        self.bucket_bound = Gauge("vega_length_bucket_upper_steps",
+                                  "Upper length bound of each length bucket (after planning)",
+                                  ["model", "bucket"], registry=r)
         self.inference = Histogram("vega_inference_seconds", "Forward pass time per batch",
                                    ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.request_seconds = Histogram("vega_request_seconds", "Time from arrival to answer",
@@ -97,6 +106,9 @@ class Metrics:
         model = batch.model
         self.batch_size.labels(model).observe(batch.size)
         self.padding.labels(model).observe(batch.padding_ratio)
+        steps = batch.pad_to * batch.size
+        self.batch_steps.labels(model).inc(steps)
+        self.padded_steps.labels(model).inc(steps - sum(item.length for item in batch.items))
         if batch.infer_s > 0:
             self.inference.labels(model).observe(batch.infer_s)
         wait = self.queue_wait.labels(model)

@@ -17,6 +17,7 @@ from typing import Any
 
 from vega.admission import Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
+from vega.buckets import plan_bounds
 from vega.capacity import Capacity, CapacityConfig, Sample, sample_forever
 from vega.config import Settings, length_bounds
 from vega.errors import REFUSALS, VegaError
@@ -122,9 +123,9 @@ class Runtime:
             batcher = Batcher(batcher_config(s, adapter.name, adapter.max_length,
                                              hands_off=bool(s.redis_url)),
                               self._sink, self.metrics.observe_batch)
-            admission = Admission(admission_config(s), batcher, loop.time())
-            served = Served(adapter, batcher, admission)
-            await self.executor.call(self._warm_up, served)
+            await self.executor.call(self._warm_up, adapter, batcher)
+            batcher = planned(batcher, s)
+            served = Served(adapter, batcher, Admission(admission_config(s), batcher, loop.time()))
             served.task = asyncio.create_task(batcher.run(), name=f"batcher-{adapter.name}")
             served.task.add_done_callback(_log_task_end)
             self.models[adapter.name] = served
@@ -153,15 +154,13 @@ class Runtime:
         for callback in self.on_start:
             callback(error)
 
-    def _warm_up(self, served: Served) -> None:
+    def _warm_up(self, adapter: ModelAdapter, batcher: Batcher) -> None:
         """Run each (bucket, size) shape; the timed passes seed the batch-time predictor."""
-        adapter = served.adapter
-
         def measure(bound: int, size: int) -> float:
             samples = [adapter.example(bound)] * size
             return self.executor.run_sync(adapter.name, samples, bound)[1]
 
-        seed_batch_times(served.batcher, self.settings.warmup_batches, measure)
+        seed_batch_times(batcher, self.settings.warmup_batches, measure)
 
     @property
     def ready(self) -> bool:
@@ -368,6 +367,8 @@ class Runtime:
         self._restarts_counted = executor.restarts
         inflight = sum(s.batcher.inflight for s in self.models.values())
         for name, served in self.models.items():
+            for index, bound in enumerate(served.batcher.config.buckets):
+                self.metrics.bucket_bound.labels(name, str(index)).set(bound)
             depths = [served.batcher.depth(p) for p in range(len(PRIORITY_NAMES))]
             self.metrics.set_queue(name, depths, inflight, served.batcher.rate.items_per_s)
             for priority, age_s in self._queue_ages(served).items():
@@ -388,6 +389,8 @@ class Runtime:
                 "service_rate_items_per_s": round(b.rate.items_per_s, 1),
                 "backlog_ms": round(1000 * b.backlog_s(), 2),
                 "standing_queue": b.standing(asyncio.get_running_loop().time()),
+                "length_buckets": list(b.config.buckets),
+                "padding_share": round(b.padded_steps / b.batch_steps, 4) if b.batch_steps else 0.0,
                 "queue_age_ms": {p: round(1000 * age, 1)
                                  for p, age in self._queue_ages(served).items()},
             }
@@ -506,6 +509,17 @@ def admission_config(s: Settings) -> AdmissionConfig:
         queue_capacity=s.queue_capacity, shed_watermark=s.shed_watermark,
         normal_watermark=s.normal_watermark, rate_limit=s.rate_limit, burst=s.burst,
         margin_s=s.deadline_margin_ms / 1000, standing_target_s=s.codel_target_ms / 1000)
+
+
+def planned(batcher: Batcher, s: Settings) -> Batcher:
+    """The warmed-up batcher, its length buckets cut again from what warm-up measured."""
+    bounds = plan_bounds(batcher.config.buckets, batcher.times, s.max_batch_size,
+                         s.bucket_padding)
+    if bounds == batcher.config.buckets:
+        return batcher
+    log.info("model %s: length buckets %s from the measured costs",
+             batcher.config.model, ",".join(map(str, bounds)))
+    return batcher.rebucketed(bounds)
 
 
 def seed_batch_times(batcher: Batcher, passes: int,

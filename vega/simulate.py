@@ -43,7 +43,7 @@ from vega.config import ConfigError, Settings, load_settings
 from vega.errors import STATUS_BY_CODE, VegaError
 from vega.profile import LatencyModel
 from vega.records import PRIORITY_NAMES, Batch, Item
-from vega.runtime import admission_config, batcher_config, seed_batch_times
+from vega.runtime import admission_config, batcher_config, planned, seed_batch_times
 
 EXIT_CONFIG = 2
 
@@ -133,6 +133,9 @@ class SimProcess:
 
     def start(self) -> None:
         self._warm_up()
+        self.batcher = planned(self.batcher, self.settings)
+        self.admission = Admission(admission_config(self.settings), self.batcher,
+                                   self.loop.time())
         self.task = asyncio.create_task(self.batcher.run(), name=f"sim-batcher-{self.index}")
 
     async def stop(self) -> None:

@@ -1,0 +1,99 @@
+"""Length buckets cut from measured costs, with made-up cost tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_batcher import RecordingSink, config, costed, formed_once, item
+from vega.batcher import Batcher
+from vega.buckets import line_at, per_item_s, plan_bounds
+from vega.timing import BatchTimes
+
+BOUNDS = (16, 32, 64, 128, 256, 512)
+
+
+def table(cost: dict[int, tuple[float, float]]) -> BatchTimes:
+    """A predictor whose bucket at bound b costs ``fixed + per_item * size`` seconds."""
+    times = BatchTimes(len(BOUNDS))
+    for bucket, bound in enumerate(BOUNDS):
+        fixed, per_item = cost[bound]
+        for size in (1, 16, 32):
+            times.observe(bucket, size, fixed + per_item * size)
+    return times
+
+
+def linear(fixed_s: float = 0.001, per_step_s: float = 1e-5) -> BatchTimes:
+    """Per-item cost proportional to the window's length."""
+    return table({b: (fixed_s, per_step_s * b) for b in BOUNDS})
+
+
+def test_where_cost_is_flat_one_bucket_holds_every_length() -> None:
+    flat = table(dict.fromkeys(BOUNDS, (0.002, 0.0001)))
+    assert plan_bounds(BOUNDS, flat, 32, padding=0.25) == (512,)
+
+
+def test_where_cost_grows_with_length_no_bucket_pads_past_the_allowance() -> None:
+    times = linear()
+    bounds = plan_bounds(BOUNDS, times, 32, padding=0.25)
+    assert bounds[-1] == 512 and len(bounds) > len(BOUNDS)  # finer than powers of two
+    assert all(b % 8 == 0 for b in bounds) and list(bounds) == sorted(set(bounds))
+    for low, high in zip(bounds, bounds[1:]):
+        # The shortest item of bucket (low, high] padded to high costs at most 25% more.
+        shortest = low + 1
+        cost = per_item_s(BOUNDS, times, shortest, 32)
+        assert per_item_s(BOUNDS, times, high, 32) <= 1.25 * cost * (1 + 8 / shortest)
+
+
+def test_a_looser_allowance_gives_fewer_buckets() -> None:
+    times = linear()
+    assert len(plan_bounds(BOUNDS, times, 32, 1.0)) < len(plan_bounds(BOUNDS, times, 32, 0.25))
+
+
+@pytest.mark.parametrize("padding", [0.0, -1.0])
+def test_no_allowance_keeps_the_configured_bounds(padding: float) -> None:
+    assert plan_bounds(BOUNDS, linear(), 32, padding) == BOUNDS
+
+
+def test_unmeasured_buckets_keep_the_configured_bounds() -> None:
+    assert plan_bounds(BOUNDS, BatchTimes(len(BOUNDS)), 32, 0.25) == BOUNDS
+
+
+def test_lines_between_measured_bounds_are_interpolated_by_length() -> None:
+    times = table({16: (0.001, 0.0001), 32: (0.001, 0.0001), 64: (0.001, 0.0001),
+                   128: (0.002, 0.001), 256: (0.004, 0.003), 512: (0.004, 0.003)})
+    line = line_at(BOUNDS, times, 192)
+    assert line.fixed_s == pytest.approx(0.003) and line.per_item_s == pytest.approx(0.002)
+    assert line_at(BOUNDS, times, 8).per_item_s == pytest.approx(0.0001)  # below: the first
+    assert line_at(BOUNDS, times, 512).fixed_s == pytest.approx(0.004)
+
+
+async def test_a_rebucketed_batcher_predicts_from_the_measured_lines() -> None:
+    batcher = Batcher(config(buckets=(64, 512), max_batch_size=4), RecordingSink())
+    costed(batcher, {0: (0.001, 0.001), 1: (0.001, 0.009)})
+    other = batcher.rebucketed((64, 288, 512))
+    assert other.config.buckets == (64, 288, 512)
+    assert other.times.predict(1, 4) == pytest.approx(0.001 + 4 * 0.005)
+    assert other.times.predict(2, 4) == pytest.approx(batcher.times.predict(1, 4))
+    assert other.rate.items_per_s > 0
+    assert other.item_cost(2) == pytest.approx(batcher.item_cost(1))
+
+
+async def test_an_idle_thread_takes_the_cheapest_group_first_unless_one_is_overdue() -> None:
+    def started(long_age_s: float) -> tuple[Batcher, RecordingSink]:
+        sink = RecordingSink()
+        sink.gate.clear()
+        batcher = Batcher(config(max_batch_size=4, dispatch_when_idle=True), sink)
+        # Long windows cost 10 ms an item: a batch of them serves 100 items a second,
+        # one of the short ones ~1,900.
+        costed(batcher, {0: (0.001, 0.0001), 1: (0.001, 0.0005), 2: (0.001, 0.01)})
+        old = item(batcher, length=300)
+        old.enqueued_at -= long_age_s
+        return batcher, sink
+
+    batcher, sink = started(long_age_s=0.0)
+    shorts = [item(batcher, length=10) for _ in range(2)]
+    batch = await formed_once(batcher, sink, shorts)
+    assert [i.length for i in batch.items] == [10, 10]
+    batcher, sink = started(long_age_s=1.0)  # past two of its own batch times (2 x 41 ms)
+    batch = await formed_once(batcher, sink, [item(batcher, length=10)])
+    assert [i.length for i in batch.items] == [300]

@@ -1,0 +1,58 @@
+"""Length buckets cut from measured costs: what padding costs against what a pass costs.
+
+Warm-up measures batch times at the configured bounds (``VEGA_LENGTH_BUCKETS``). From
+them, ``plan_bounds`` cuts the bounds again so that an item padded to its bucket's
+bound costs at most ``padding`` more per item than at its own length: fine where cost
+grows steeply with length, one wide bucket where it is flat. Neighbouring buckets still
+share a batch whenever one pass costs less than two (the batcher), so fine buckets do not
+leave batches small.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from vega.timing import BatchTimes, Line
+
+STEP = 8  # bounds are multiples of this many steps
+
+
+def plan_bounds(bounds: Sequence[int], times: BatchTimes, size: int, padding: float,
+                step: int = STEP) -> tuple[int, ...]:
+    """Upper bounds, longest first kept, within ``padding`` of each other's per-item cost.
+
+    ``times`` holds a line per configured bound; ``size`` is the batch size the per-item
+    costs are compared at (a full batch). ``padding`` <= 0 keeps the configured bounds.
+    """
+    if padding <= 0 or not all(times.line(b) is not None for b in range(len(bounds))):
+        return tuple(bounds)
+    planned = [bounds[-1]]
+    high = bounds[-1]
+    while True:
+        floor = per_item_s(bounds, times, high, size) / (1 + padding)
+        below = (high - 1) // step * step
+        while below >= step and per_item_s(bounds, times, below, size) >= floor:
+            below -= step
+        if below < step:
+            return tuple(reversed(planned))
+        planned.append(below)
+        high = below
+
+
+def line_at(bounds: Sequence[int], times: BatchTimes, length: int) -> Line:
+    """The batch-time line at ``length``, interpolated between the measured bounds."""
+    index = bisect.bisect_left(bounds, length)
+    if index == 0 or index == len(bounds):
+        line = times.line(min(index, len(bounds) - 1))
+        assert line is not None
+        return line
+    lower, upper = times.line(index - 1), times.line(index)
+    assert lower is not None and upper is not None
+    share = (length - bounds[index - 1]) / (bounds[index] - bounds[index - 1])
+    return Line(lower.fixed_s + share * (upper.fixed_s - lower.fixed_s),
+                lower.per_item_s + share * (upper.per_item_s - lower.per_item_s))
+
+
+def per_item_s(bounds: Sequence[int], times: BatchTimes, length: int, size: int) -> float:
+    return line_at(bounds, times, length).at(size) / size
