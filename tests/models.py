@@ -111,3 +111,12 @@ def encoder(name: str) -> SequenceModel:
 
     return SequenceModel(build_module(width=128, layers=6, heads=4, seed=2), name,
                          channels=8, max_length=512, output_size=4)
+
+
+def encoder_wide(name: str) -> SequenceModel:
+    """``encoder`` at width 256 (the built-in's shape, ~3.2 M parameters), eager: a module
+    whose own cost per item, not the HTTP path, bounds what a server on two cores serves."""
+    from vega.models.sensor import build_module
+
+    return SequenceModel(build_module(width=256, layers=6, heads=4, seed=3), name,
+                         channels=8, max_length=512, output_size=4)

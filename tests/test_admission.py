@@ -206,3 +206,27 @@ async def test_a_truly_long_backlog_over_several_buckets_is_still_refused() -> N
         admission.admit(NORMAL, [0], deadline=now + 1.0, now=now)
     assert refused.value.code == "queue_full" and refused.value.status == 429
     admission.admit(CRITICAL, [0], deadline=now + 1.0, now=now)  # critical is not capped
+
+
+async def test_under_a_standing_queue_two_full_batches_of_items_are_always_kept() -> None:
+    # The short bucket's batches have a large fixed cost, so the predicted work of a
+    # queue under two batches of items passes two batch times of the longest bucket:
+    # still admitted (the pipeline needs them); one item more is refused.
+    batcher = Batcher(BatcherConfig(model="m", buckets=(16, 512), max_batch_size=4,
+                                    max_wait_s=0.005, max_inflight=1,
+                                    standing_after_s=0.1), _never)
+    for size in (1, 4):
+        batcher.times.observe(0, size, 0.050 + 0.0001 * size)
+        batcher.times.observe(1, size, 0.001 + 0.001 * size)
+    config = AdmissionConfig(queue_capacity=100, shed_watermark=0.5, normal_watermark=0.9,
+                             rate_limit=0.0, burst=0.0, margin_s=0.0)
+    admission = Admission(config, batcher, now=0.0)
+    fill(batcher, 3, bucket=0)
+    fill(batcher, 4, bucket=1)
+    now = asyncio.get_running_loop().time() + 0.2
+    assert batcher.standing(now) and batcher.backlog_s() > 2 * batcher.times.predict(1, 4)
+    admission.admit(NORMAL, [0], deadline=now + 10, now=now)  # the 8th item: two batches
+    fill(batcher, 1, bucket=0)
+    with pytest.raises(VegaError) as refused:
+        admission.admit(NORMAL, [0], deadline=now + 10, now=now)
+    assert refused.value.code == "queue_full"

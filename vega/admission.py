@@ -120,9 +120,12 @@ class Admission:
         if priority == CRITICAL:
             return
         if batcher.standing(now):
-            # Two full batches of the longest kind queued or asked for: with mixed
-            # lengths the queue holds batches of every bucket, not only this request's.
+            # Two full batches: of items, or of work at the longest kind queued or asked
+            # for (with mixed lengths the queue holds batches of every bucket, not only
+            # this request's), so batching keeps its pipeline.
             size = batcher.config.max_batch_size
+            if sum(batcher.depth(p) for p in range(priority + 1)) + len(buckets) <= 2 * size:
+                return
             longest = max(batcher.longest_queued(), *buckets)
             target = max(self.config.standing_target_s, 2 * batcher.times.predict(longest, size))
             reason = "sustained overload: queue kept short"

@@ -20,19 +20,33 @@ STEP = 8  # bounds are multiples of this many steps
 
 def plan_bounds(bounds: Sequence[int], times: BatchTimes, size: int, padding: float,
                 step: int = STEP) -> tuple[int, ...]:
-    """Upper bounds, longest first kept, within ``padding`` of each other's per-item cost.
+    """Upper bounds, the longest kept, within ``padding`` of each other's per-item cost.
 
     ``times`` holds a line per configured bound; ``size`` is the batch size the per-item
     costs are compared at (a full batch). ``padding`` <= 0 keeps the configured bounds.
     """
     if padding <= 0 or not all(times.line(b) is not None for b in range(len(bounds))):
         return tuple(bounds)
+    # A longer window never costs less: measurement noise in a flat stretch of the
+    # curve must not cut buckets there.
+    costs = [per_item_s(bounds, times, bound, size) for bound in bounds]
+    costs = [max(costs[: index + 1]) for index in range(len(costs))]
+
+    def cost(length: int) -> float:
+        index = bisect.bisect_left(bounds, length)
+        if index == 0:
+            return costs[0]
+        if index == len(bounds):
+            return costs[-1]
+        share = (length - bounds[index - 1]) / (bounds[index] - bounds[index - 1])
+        return costs[index - 1] + share * (costs[index] - costs[index - 1])
+
     planned = [bounds[-1]]
     high = bounds[-1]
     while True:
-        floor = per_item_s(bounds, times, high, size) / (1 + padding)
+        floor = cost(high) / (1 + padding)
         below = (high - 1) // step * step
-        while below >= step and per_item_s(bounds, times, below, size) >= floor:
+        while below >= step and cost(below) >= floor:
             below -= step
         if below < step:
             return tuple(reversed(planned))
