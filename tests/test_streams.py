@@ -147,7 +147,7 @@ async def test_a_hand_off_nobody_takes_is_taken_back_and_run_locally(runtime: Ru
     for task in streams._tasks:  # nobody will steal: the origin's timer must answer
         if task.get_name().startswith("streams-steal"):
             task.cancel()
-    streams.peers = [{"node": "ghost", "models": ["echo"]}]
+    streams.peers = [{"node": "ghost", "models": ["echo"], "stealing": True, "spare": {"echo": 1}}]
     loop = asyncio.get_running_loop()
     sample, length = runtime.models["echo"].adapter.decode(window(2, 1.0))
     item = Item(model="echo", sample=sample, length=length, priority=CRITICAL,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from vega.batcher import Batcher
 from vega.errors import VegaError
@@ -57,10 +58,27 @@ class TokenBucket:
         self.tokens = min(self.size, self.tokens + cost)
 
 
+class Reach(Protocol):
+    """What this process knows of the capacity its live peers can lend (rule 11)."""
+
+    def lent(self, model: str) -> float:
+        """Executor threads peers can lend for ``model`` now (0 without Redis or peers)."""
+
+    def room(self, model: str) -> bool:
+        """Whether a batch of ``model`` handed off now would be taken (none is waiting)."""
+
+
 class Admission:
-    def __init__(self, config: AdmissionConfig, batcher: Batcher, now: float) -> None:
+    """With a ``reach``, the work ahead is shared with the threads live peers can lend,
+    so a request is refused only when neither this process nor they can serve it in
+    time; without peers it is the local rule."""
+
+    def __init__(self, config: AdmissionConfig, batcher: Batcher, now: float,
+                 reach: Reach | None = None) -> None:
         self.config = config
         self.batcher = batcher
+        self.reach = reach
+        self.refused_with_room = 0  # refusals made while peers could have taken more
         capacity = config.queue_capacity
         # Items of each class may fill the queue up to this many (rule 4: headroom for critical).
         self.limits = {
@@ -79,9 +97,18 @@ class Admission:
         """Admit a request of ``len(buckets)`` items or raise; return each item's cost."""
         costs = [self.batcher.item_cost(bucket) for bucket in buckets]
         self._check_room(priority, len(buckets))
-        ahead_s = self.batcher.backlog_s(priority)  # the work served before this request
-        self._check_queue_time(priority, buckets, ahead_s, now)
-        self._check_deadline(priority, buckets, deadline, ahead_s, now)
+        model = self.batcher.config.model
+        lent = self.reach.lent(model) if self.reach is not None else 0.0
+        own = self.batcher.config.parallelism
+        share = (own + lent) / own  # how many times its own threads the queue drains through
+        ahead_s = self.batcher.backlog_s(priority) / share  # the work served before it
+        try:
+            self._check_queue_time(priority, buckets, ahead_s, share, now)
+            self._check_deadline(priority, buckets, deadline, ahead_s, now)
+        except VegaError:
+            if self.reach is not None and self.reach.room(model):
+                self.refused_with_room += 1
+            raise
         if self.bucket is not None:
             wait_s = self.bucket.take(sum(costs), priority == CRITICAL, now)
             if wait_s > 0:
@@ -109,7 +136,7 @@ class Admission:
         self._check_room(priority, 1)
 
     def _check_queue_time(self, priority: int, buckets: Sequence[int], ahead_s: float,
-                          now: float) -> None:
+                          share: float, now: float) -> None:
         # Rule 5 (CoDel): the queue buffers bursts shorter than the interval, no more.
         # A queue holding more work than that cannot empty within it, so its oldest items
         # would be shed after waiting the interval out: refuse them now instead. (Admitted,
@@ -124,7 +151,8 @@ class Admission:
             # for (with mixed lengths the queue holds batches of every bucket, not only
             # this request's), so batching keeps its pipeline.
             size = batcher.config.max_batch_size
-            if sum(batcher.depth(p) for p in range(priority + 1)) + len(buckets) <= 2 * size:
+            queued = sum(batcher.depth(p) for p in range(priority + 1)) + len(buckets)
+            if queued <= 2 * size * share:
                 return
             longest = max(batcher.longest_queued(), *buckets)
             target = max(self.config.standing_target_s, 2 * batcher.times.predict(longest, size))

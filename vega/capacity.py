@@ -52,6 +52,7 @@ class Sample:
     refusals: Mapping[str, float]  # refusals so far, by reason
     item_s: float  # executor seconds one item costs at full batches
     processes: int = 1  # this process and the live peers it sees
+    overflow: Mapping[str, float] = field(default_factory=dict)  # batches offered, taken, ...
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Capacity:
     utilisation: float = 0.0
     demand: float = 0.0
     refusal_rate: dict[str, float] = field(default_factory=dict)
+    overflow_rate: dict[str, float] = field(default_factory=dict)
     last: Sample | None = None
     state: str = "steady"  # steady, growing (pressure held), shrinking (idle held)
     _since: float | None = None
@@ -79,6 +81,8 @@ class Capacity:
         self.utilisation = min(1.0, max(0.0, (sample.busy_s - previous.busy_s) / (dt * threads)))
         self.refusal_rate = {reason: max(0.0, (count - previous.refusals.get(reason, 0.0)) / dt)
                              for reason, count in sample.refusals.items()}
+        self.overflow_rate = {event: max(0.0, (count - previous.overflow.get(event, 0.0)) / dt)
+                              for event, count in sample.overflow.items()}
         refused = sum(rate for reason, rate in self.refusal_rate.items()
                       if reason not in NOT_LOAD)
         queued = sum(sample.depth.values())
@@ -129,6 +133,7 @@ class Capacity:
             "queue_age_ms": {k: round(1000 * v, 1) for k, v in sample.oldest_age_s.items()}
             if sample else {},
             "refusals_per_s": {k: round(v, 2) for k, v in self.refusal_rate.items() if v},
+            "overflow_batches_per_s": {k: round(v, 2) for k, v in self.overflow_rate.items()},
         }
 
 

@@ -219,8 +219,9 @@ SPECS: tuple[Spec, ...] = (
          _text, "comma-separated paths", "Paths served without a token when tokens are set."),
     Spec("log_level", "info", _choice("critical", "error", "warning", "info", "debug"),
          "critical, error, warning, info or debug", "Log level."),
-    Spec("overflow_threshold_ms", "50", _float(0), "a number >= 0",
-         "With Redis: predicted local wait above which formed batches go to peers."),
+    Spec("overflow_threshold_ms", "0", _float(0), "a number >= 0",
+         "With Redis: a formed batch goes to a peer with spare threads once its predicted "
+         "wait here exceeds the measured steal round trip by this much."),
     Spec("redis_timeout_ms", "100", _float(1, 10_000), "a number 1-10000",
          "Longest wait for one Redis command; past it the batch is served locally."),
     Spec("claim_idle_ms", "2000", _int(10), "an integer >= 10",

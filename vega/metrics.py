@@ -67,12 +67,19 @@ class Metrics:
             "hanging", registry=r)
         self.overflow_events = Counter(
             "vega_overflow_events_total", "What happened to overflow batches besides a "
-            "plain steal: taken_back, reclaimed, dead_lettered, declined, late_reply, "
-            "malformed, expired", ["event"], registry=r)
+            "plain steal: taken_back, stolen_back, reclaimed, dead_lettered, declined, "
+            "late_reply, malformed, expired", ["event"], registry=r)
         self.steal_rtt = Gauge("vega_steal_rtt_seconds",
                                "Measured round trip of a stolen batch, less its model time",
                                registry=r)
         self.peers = Gauge("vega_peers", "Live peer processes seen through Redis", registry=r)
+        self.peer_lent = Gauge("vega_peer_threads_lent",
+                                "Executor threads the live peers say they can lend now",
+                                ["model"], registry=r)
+        self.refused_with_room = Counter(
+            "vega_refusals_with_peer_room_total",
+            "Requests refused while live peers had threads to lend (should stay 0)", ["model"],
+            registry=r)
         # Pressure relief (docs/pressure.md): cache, idempotency keys, fallback, capacity.
         self.cache_hits = Counter("vega_cache_hits_total", "Answers served from the cache",
                                   ["model", "tier"], registry=r)

@@ -82,6 +82,7 @@ class Runtime:
                                  plan=process_plan(settings, self._adapters, specs))
         self._warm = False
         self._restarts_counted = 0
+        self._refused_counted: dict[str, int] = {}
         self.draining = False
         self.failed: BaseException | None = None
         # Called once the start has finished: with None when ready, else with the error.
@@ -125,7 +126,8 @@ class Runtime:
                               self._sink, self.metrics.observe_batch)
             await self.executor.call(self._warm_up, adapter, batcher)
             batcher = planned(batcher, s)
-            served = Served(adapter, batcher, Admission(admission_config(s), batcher, loop.time()))
+            served = Served(adapter, batcher, Admission(admission_config(s), batcher, loop.time(),
+                                                        reach=self))
             served.task = asyncio.create_task(batcher.run(), name=f"batcher-{adapter.name}")
             served.task.add_done_callback(_log_task_end)
             self.models[adapter.name] = served
@@ -138,6 +140,14 @@ class Runtime:
             sample_forever(self.capacity, self._capacity_sample, s.capacity_sample_s),
             name="capacity")
         self._capacity_task.add_done_callback(_log_task_end)
+
+    # What admission reads of the peers (vega.admission.Reach); the local rule without Redis.
+
+    def lent(self, model: str) -> float:
+        return self.streams.lent(model) if self.streams is not None else 0.0
+
+    def room(self, model: str) -> bool:
+        return self.streams is not None and self.streams.up and self.streams.room(model)
 
     def _started(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -365,6 +375,12 @@ class Runtime:
         self.metrics.model_processes_up.set(sum(p.up for p in executor.processes))
         self.metrics.model_process_restarts.inc(executor.restarts - self._restarts_counted)
         self._restarts_counted = executor.restarts
+        for name, served in self.models.items():
+            self.metrics.peer_lent.labels(name).set(self.lent(name))
+            refused = served.admission.refused_with_room
+            self.metrics.refused_with_room.labels(name).inc(
+                refused - self._refused_counted.get(name, 0))
+            self._refused_counted[name] = refused
         inflight = sum(s.batcher.inflight for s in self.models.values())
         for name, served in self.models.items():
             for index, bound in enumerate(served.batcher.config.buckets):
@@ -389,6 +405,8 @@ class Runtime:
                 "service_rate_items_per_s": round(b.rate.items_per_s, 1),
                 "backlog_ms": round(1000 * b.backlog_s(), 2),
                 "standing_queue": b.standing(asyncio.get_running_loop().time()),
+                "peer_threads_lent": self.lent(name),
+                "refused_while_peers_had_room": served.admission.refused_with_room,
                 "length_buckets": list(b.config.buckets),
                 "padding_share": round(b.padded_steps / b.batch_steps, 4) if b.batch_steps else 0.0,
                 "queue_age_ms": {p: round(1000 * age, 1)
@@ -429,12 +447,14 @@ class Runtime:
                 if sample.name.endswith("_total"):
                     reason = sample.labels["reason"]
                     refusals[reason] = refusals.get(reason, 0.0) + sample.value
-        peers = len(self.streams.peers) if self.streams is not None and self.streams.up else 0
+        streams = self.streams
+        peers = len(streams.peers) if streams is not None and streams.up else 0
         return Sample(at=asyncio.get_running_loop().time(), busy_s=self.executor.busy_s,
                       threads=self.executor.threads, depth=depth, oldest_age_s=ages,
                       refusals=refusals,
                       item_s=main.times.per_item_s(0, main.config.max_batch_size),
-                      processes=1 + peers)
+                      processes=1 + peers,
+                      overflow=dict(streams.counts) if streams is not None else {})
 
     def _outcomes(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -134,6 +134,9 @@ class Thief:
                                                      "declined", "cannot finish in time"))
             return
         self.metrics.overflow.labels("in").inc()
+        self.link.counts["taken"] += 1
+        if entry.origin == self.node:  # our own batch, handed off and stolen back
+            self.metrics.overflow_events.labels("stolen_back").inc()
         self._running.add(entry_id)
         try:
             await self._run_stolen(entry, entry_id, bucket, remaining_ms)

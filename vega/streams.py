@@ -56,6 +56,7 @@ from vega.wire import (
 log = logging.getLogger("vega.streams")
 
 REPLY_CODES = frozenset({"model_error", "declined", "dead_letter"})
+PENDING_PER_SPARE = 2  # batches handed off at once per thread the peers can lend
 
 RunLocal = Callable[[Batch], Awaitable[None]]
 
@@ -92,6 +93,8 @@ class Streams:
         self.rtt_s = 0.005  # replaced by measurements
         self.stealing = True
         self.peers: list[dict[str, Any]] = []
+        # Batches handed off, stolen from peers, and taken back from the stream, so far.
+        self.counts = {"offered": 0, "taken": 0, "taken_back": 0}
         self.thief = Thief(self)
         metrics.redis_up.set(0)
 
@@ -105,6 +108,17 @@ class Streams:
     @property
     def up(self) -> bool:
         return self.up_event.is_set()
+
+    def lent(self, model: str) -> float:
+        """Executor threads the live peers say they can lend for ``model`` (0 when Redis is away)."""
+        if not self.up:
+            return 0.0
+        return float(sum(peer["spare"].get(model, 0) for peer in self.peers
+                         if peer["stealing"] and isinstance(peer.get("spare"), dict)))
+
+    def room(self, model: str) -> bool:
+        """Whether a batch handed off now would be taken: fewer are waiting than peers lend."""
+        return len(self._pending) < PENDING_PER_SPARE * self.lent(model)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -236,16 +250,19 @@ class Streams:
             self.redis_error(error)
             return False
         self.metrics.overflow.labels("out").inc()
+        self.counts["offered"] += 1
         return True
 
     def worth_handing_off(self, batch: Batch, local_wait_s: float) -> bool:
         """Whether peers should be offered ``batch`` (a cheap check, no Redis round trip)."""
         if not self.up or batch.model not in self.models:
             return False
-        if 1000 * local_wait_s <= self.settings.overflow_threshold_ms or local_wait_s <= self.rtt_s:
+        # A peer can take it sooner when the wait here is longer than the round trip
+        # (an idle peer has no queue of its own); each lent thread gets one batch to run
+        # and one waiting in the stream, so it never idles between them.
+        if local_wait_s <= self.rtt_s + self.settings.overflow_threshold_ms / 1000:
             return False
-        capacity = 2 * sum(1 for peer in self.peers if batch.model in peer["models"])
-        if len(self._pending) >= capacity:
+        if not self.room(batch.model):
             return False
         run_s = self.models[batch.model][1].times.predict(batch.bucket, batch.size)
         remaining_s = batch.deadline - asyncio.get_running_loop().time()
@@ -261,6 +278,7 @@ class Streams:
             handoff.timer.cancel()
         batch = handoff.batch
         self.metrics.overflow_events.labels("taken_back").inc()
+        self.counts["taken_back"] += 1
         log.debug("batch %s taken back (%s)", key, why)
         if self.up and handoff.entry_id is not None:
             self._spawn(self._forget(batch.model, key, handoff.entry_id, batch.deadline))
@@ -376,6 +394,8 @@ class Streams:
                                           for m, (_, b) in self.models.items()}),
             "inflight": sum(b.inflight for _, b in self.models.values()),
             "handed_off": len(self._pending),
+            "spare": orjson.dumps({m: _spare(b) if self.stealing else 0
+                                   for m, (_, b) in self.models.items()}),
         }
         async with self.cmd.pipeline(transaction=False) as pipe:
             pipe.hset(node_key(self.node), mapping=state)  # type: ignore[arg-type]
@@ -405,9 +425,21 @@ def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
         return {"node": state[b"node"].decode(), "age_ms": wall_ms() - int(state[b"time_ms"]),
                 "models": orjson.loads(state[b"models"]), "depth": orjson.loads(state[b"depth"]),
                 "service_rate": orjson.loads(state[b"service_rate"]),
-                "inflight": int(state[b"inflight"]), "stealing": state[b"stealing"] == b"1"}
+                "inflight": int(state[b"inflight"]), "stealing": state[b"stealing"] == b"1",
+                "spare": orjson.loads(state.get(b"spare", b"{}"))}
     except (KeyError, ValueError, orjson.JSONDecodeError):
         return None
+
+
+def _spare(batcher: Batcher) -> int:
+    """Executor threads this process can lend to peers now: those its own work leaves free.
+
+    Its own queued items come first (a process steals only when it has none), and
+    stolen batches do not count: they are what the threads are lent for.
+    """
+    if batcher.depth():
+        return 0
+    return max(0, batcher.config.parallelism - batcher.inflight)
 
 
 def _fail(batch: Batch, error: VegaError) -> None:
