@@ -235,3 +235,109 @@ async def test_slow_redis_times_out_to_local_serving_and_recovers(
     assert "redis unreachable" in a.log()  # it noticed, served locally, reconnected
     await asyncio.to_thread(wait_until, lambda: metric(a, "vega_redis_up") == 1, 15, "reconnect")
     assert outcomes(await send(a.url, values[:40], concurrency=20)) == Counter(ok=40)
+
+
+# At the default settings (normal priority, 1-s deadline, no overflow threshold), with
+# only the test model slowed down and heartbeats made quicker for the test.
+DEFAULT_PAIR_ENV = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_MAX_BATCH_SIZE": "4",
+                    "VEGA_LENGTH_BUCKETS": "16", "VEGA_HEARTBEAT_MS": "100",
+                    "TEST_SLEEP_MS": "40"}  # 100 items/s a process
+
+
+async def send_default(url: str, values: Sequence[float],
+                       concurrency: int) -> list[httpx.Response]:
+    """One request per value at the default priority and deadline."""
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def one(value: float) -> httpx.Response:
+            async with gate:
+                return await client.post(url + "/v1/infer", json={"inputs": window(2, value)})
+        return list(await asyncio.gather(*(one(v) for v in values)))
+
+
+def lent(proc: VegaProcess) -> float:
+    status = httpx.get(proc.url + "/v1/status", timeout=5).json()
+    return float(status["models"]["echo"]["peer_threads_lent"])
+
+
+def default_pair(vega: Callable[..., VegaProcess], redis_url: str
+                 ) -> tuple[VegaProcess, VegaProcess]:
+    a = vega(VEGA_NODE_ID="A", VEGA_REDIS_URL=redis_url, **DEFAULT_PAIR_ENV)
+    b = vega(VEGA_NODE_ID="B", VEGA_REDIS_URL=redis_url, **DEFAULT_PAIR_ENV)
+    wait_until(lambda: lent(a) == 1 and lent(b) == 1, 10, "each to count the other's thread")
+    return a, b
+
+
+async def test_at_the_defaults_an_idle_peer_takes_the_work_before_anyone_is_refused(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
+    # 16 callers keep 16 items queued at A: 160 ms of A's own work, past the 100-ms
+    # interval (A alone refuses, see the next test), 80 ms of the pair's.
+    a, b = default_pair(vega, redis_server.url)
+    values = [float(i % 50) for i in range(240)]
+    responses = await send_default(a.url, values, concurrency=16)
+    assert outcomes(responses) == Counter(ok=240)
+    check_outputs(values, responses)
+    stolen = metric(b, "vega_overflow_batches_total", direction="in")
+    assert 4 * stolen >= 0.3 * 240, stolen  # B ran a good share of the items
+    assert metric(a, "vega_refusals_with_peer_room_total", model="echo") == 0
+    assert metric(a, "vega_requests_total") == 240 and metric(b, "vega_requests_total") == 0
+
+
+async def test_with_redis_stopped_admission_falls_back_to_the_local_rule_at_once(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
+    a, b = default_pair(vega, redis_server.url)
+    redis_server.stop()
+    await asyncio.to_thread(wait_until, lambda: metric(a, "vega_redis_up") == 0, 5, "A to notice")
+    assert lent(a) == 0
+    values = [float(i % 50) for i in range(160)]
+    counts = outcomes(await send_default(a.url, values, concurrency=16))
+    assert counts["ok"] > 0 and counts["queue_full"] + counts["shed"] > 0, counts
+    assert set(counts) <= {"ok", "queue_full", "shed"}, counts
+    assert metric(a, "vega_requests_total") == 160  # every request answered, once
+    redis_server.start()
+    await asyncio.to_thread(wait_until, lambda: lent(a) == 1, 15, "reconnect and heartbeats")
+    stolen = metric(b, "vega_overflow_batches_total", direction="in")
+    assert outcomes(await send_default(a.url, values, concurrency=16)) == Counter(ok=160)
+    assert metric(b, "vega_overflow_batches_total", direction="in") > stolen
+
+
+async def test_a_peer_killed_mid_load_stops_counting_within_a_heartbeat_ttl(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
+    a, b = default_pair(vega, redis_server.url)
+    values = [float(i % 50) for i in range(200)]
+    load = asyncio.ensure_future(send_default(a.url, values, concurrency=16))
+    await asyncio.to_thread(wait_until, lambda: metric(
+        b, "vega_overflow_batches_total", direction="in") >= 5, 10, "B to be stealing")
+    assert b.proc is not None
+    b.proc.send_signal(signal.SIGKILL)
+    killed_at = asyncio.get_running_loop().time()
+    await asyncio.to_thread(wait_until, lambda: lent(a) == 0, 5, "B's heartbeat to expire")
+    # TTL: 3 beats + 0.5 s, then one beat of A's to notice.
+    assert asyncio.get_running_loop().time() - killed_at < 0.8 + 0.1 + 0.5
+    responses = await load
+    counts = outcomes(responses)
+    assert counts["ok"] > 0 and set(counts) <= {"ok", "queue_full", "shed"} | EXPLICIT, counts
+    check_outputs(values, responses)
+    assert metric(a, "vega_requests_total") == 200  # none lost, none answered twice
+
+
+async def test_equal_load_through_nginx_does_not_bounce_batches(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess],
+        nginx: Callable[[Sequence[str]], Nginx]) -> None:
+    a, b = default_pair(vega, redis_server.url)
+    proxy = nginx([f"127.0.0.1:{p.port}" for p in (a, b)])
+    values = [float(i % 50) for i in range(240)]
+    responses = await send_default(proxy.url, values, concurrency=8)
+    assert outcomes(responses) == Counter(ok=240)
+    check_outputs(values, responses)
+    for proc in (a, b):
+        assert metric(proc, "vega_requests_total") >= 60  # least_conn spread the callers
+    assert sum(metric(p, "vega_requests_total") for p in (a, b)) == 240  # each answered once
+    # Both busy alike: hardly anything is handed off. A stolen batch is never offered
+    # again (it runs where it was stolen), so none goes back and forth; a batch no peer
+    # claimed in time comes back to its origin, and at most a few of those also ran on
+    # the peer that read it late (a late reply, dropped).
+    handed = sum(metric(p, "vega_overflow_batches_total", direction="out") for p in (a, b))
+    batches = sum(metric(p, "vega_batch_size_count", model="echo") for p in (a, b))
+    late = sum(metric(p, "vega_overflow_events_total", event="late_reply") for p in (a, b))
+    assert handed <= 0.1 * batches and late <= max(1.0, 0.2 * handed), (handed, batches, late)

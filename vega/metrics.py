@@ -67,7 +67,7 @@ class Metrics:
             "hanging", registry=r)
         self.overflow_events = Counter(
             "vega_overflow_events_total", "What happened to overflow batches besides a "
-            "plain steal: taken_back, stolen_back, reclaimed, dead_lettered, declined, "
+            "plain steal: taken_back, reclaimed, dead_lettered, declined, "
             "late_reply, malformed, expired", ["event"], registry=r)
         self.steal_rtt = Gauge("vega_steal_rtt_seconds",
                                "Measured round trip of a stolen batch, less its model time",

@@ -133,10 +133,12 @@ class Thief:
             await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (),
                                                      "declined", "cannot finish in time"))
             return
+        if entry.origin == self.node:  # our own batch, and we are idle: no round trip
+            await self._ack(model, entry_id)
+            self.link.take_back(entry.batch, "idle again")
+            return
         self.metrics.overflow.labels("in").inc()
         self.link.counts["taken"] += 1
-        if entry.origin == self.node:  # our own batch, handed off and stolen back
-            self.metrics.overflow_events.labels("stolen_back").inc()
         self._running.add(entry_id)
         try:
             await self._run_stolen(entry, entry_id, bucket, remaining_ms)

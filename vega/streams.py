@@ -69,6 +69,7 @@ class Handoff:
     entry_id: Any = None
     sent_at: float = 0.0  # loop clock
     timer: asyncio.TimerHandle | None = None
+    last_call: float = 0.0  # loop clock: past it, running it here could not make the deadline
 
 
 class Streams:
@@ -235,10 +236,13 @@ class Streams:
             return False
         handoff = Handoff(batch, sent_at=now)
         # Rule 8: the future is registered before the XADD. Rule 7: the origin's own
-        # timer takes the batch back while running it locally can still make it.
+        # timer takes the batch back while running it locally can still make it; and
+        # once it would have started here, if no peer has claimed it (a heartbeat said
+        # a peer was free, and it was not), so a wrong guess costs a round trip at most.
         self._pending[key] = handoff
-        handoff.timer = loop.call_at(batch.deadline - run_s - 2 * self._margin_s,
-                                     self._take_back, key, "timeout")
+        handoff.last_call = batch.deadline - run_s - 2 * self._margin_s
+        handoff.timer = loop.call_at(min(handoff.last_call, now + local_wait_s + self.rtt_s),
+                                     self._unclaimed, key)
         try:
             handoff.entry_id = await self.cmd.xadd(
                 overflow_key(batch.model), fields,  # type: ignore[arg-type]
@@ -268,6 +272,36 @@ class Streams:
         remaining_s = batch.deadline - asyncio.get_running_loop().time()
         # Room for a remote attempt and, if that fails, a local one.
         return remaining_s > self.rtt_s + 2 * run_s + 2 * self._margin_s
+
+    def _unclaimed(self, key: str) -> None:
+        handoff = self._pending.get(key)
+        if handoff is None:
+            return
+        if asyncio.get_running_loop().time() >= handoff.last_call or handoff.entry_id is None:
+            self._take_back(key, "timeout")
+        else:
+            self._spawn(self._take_back_unless_claimed(key, handoff))
+
+    async def _take_back_unless_claimed(self, key: str, handoff: Handoff) -> None:
+        """Take the batch back if no peer has read it yet; else wait for its answer."""
+        model = handoff.batch.model
+        try:
+            claimed = await self.cmd.xpending_range(overflow_key(model), GROUP, handoff.entry_id,
+                                                    handoff.entry_id, 1)
+        except rexc.RedisError as error:
+            self.redis_error(error)  # takes every pending batch back
+            return
+        if key not in self._pending:
+            return  # answered meanwhile
+        if not claimed:
+            self._take_back(key, "unclaimed")
+            return
+        loop = asyncio.get_running_loop()
+        handoff.timer = loop.call_at(handoff.last_call, self._take_back, key, "timeout")
+
+    def take_back(self, key: str, why: str) -> None:
+        """Run a batch of ours here after all (our own thief read it while idle)."""
+        self._take_back(key, why)
 
     def _take_back(self, key: str, why: str) -> None:
         """The peers did not answer in time (or cannot): run it here if the deadline allows."""
