@@ -10,10 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
-from tests.servers import VegaProcess
+from tests.infra import RedisServer
+from tests.servers import VegaProcess, metric, wait_until
 from vega import loadgen, profile, simclock, simulate, traffic
 from vega.config import load_settings
 from vega.profile import LatencyModel
@@ -261,3 +263,67 @@ async def test_simulator_matches_a_real_burst(vega: Callable[..., VegaProcess],
     ratio = s["latency_ms"]["p99"] / r["latency_ms"]["p99"]
     assert 1 / 2.5 <= ratio <= 2.5 or within(s["latency_ms"]["p99"], r["latency_ms"]["p99"],
                                               0, 25), report
+
+
+PAIR_ENV = {
+    "VEGA_MODEL": "python:tests.models:echo", "TEST_SLEEP_MS": "40", "TEST_PER_ITEM_MS": "0",
+    "VEGA_MAX_BATCH_SIZE": "4", "VEGA_LENGTH_BUCKETS": "16", "VEGA_HEARTBEAT_MS": "100",
+    "VEGA_TORCH_THREADS": "1", "VEGA_WARMUP_BATCHES": "1", "VEGA_LOG_LEVEL": "warning",
+}
+PAIR_TRAFFIC = {  # to A only: 100/s (A's own capacity), then 300/s for 2 s, then 100/s
+    "profile": "burst", "rate": 100.0, "burst_factor": 3.0, "burst_at_s": 1.0,
+    "burst_s": 2.0, "duration_s": 4.0, "lengths": "16", "seed": 11,
+    "connections": 200, "max_connections": 200, "poll_s": 0.1, "plots": False,
+    "progress": False,
+}
+
+
+async def test_simulator_matches_a_real_pair_with_all_traffic_to_one(
+        vega: Callable[..., VegaProcess], redis_server: RedisServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes sharing Redis, every request sent to A, at the default priority,
+    deadline and overflow settings; replayed with ``--processes 2 --to-first
+    --overflow-ms 0``, the round trip the real A measured (it includes the wait for B
+    to finish the batch it is running) and the default 2 ms for Redis's part of it.
+
+    Each process serves 100 items/s (batches of 4 in 40 ms); the burst offers 1.5x the
+    pair's capacity for 2 s. Tolerance: the simulator's goodput within 15% of the real
+    pair's, and its share of batches run by B within 0.15 of the real one. Typical here:
+    goodput within 0-8%, B's share 0.46 against 0.47-0.48.
+    """
+    for key in ("TEST_SLEEP_MS", "TEST_PER_ITEM_MS"):
+        monkeypatch.setenv(key, PAIR_ENV[key])
+    settings = load_settings(environ={k: v for k, v in PAIR_ENV.items() if k.startswith("VEGA_")})
+    measured = await asyncio.to_thread(profile.measure, settings, sizes=[1, 2, 4], repeats=3,
+                                       buckets=[16])
+    env = {**PAIR_ENV, "VEGA_REDIS_URL": redis_server.url}
+    a = await asyncio.to_thread(vega, VEGA_NODE_ID="A", **env)
+    b = await asyncio.to_thread(vega, VEGA_NODE_ID="B", **env)
+    await asyncio.to_thread(wait_until, lambda: httpx.get(a.url + "/v1/status").json()[
+        "models"]["echo"]["peer_threads_lent"] == 1, 10, "A to count B")
+    options = traffic.resolve({"url": a.url, **PAIR_TRAFFIC})
+    real = await loadgen.bench(options)
+    stolen = metric(b, "vega_overflow_batches_total", direction="in")
+    real_share = stolen / (stolen + metric(a, "vega_batch_size_count", model="echo") - stolen)
+    rtt_ms = 1000 * metric(a, "vega_steal_rtt_seconds")
+
+    plan = traffic.plan(options, np.random.default_rng(options["seed"]))
+    sim_options = simulate.SimOptions(
+        settings, LatencyModel.from_profile(measured), processes=2, seed=options["seed"],
+        deadlines_s=traffic.parse_deadlines(str(options["deadline_ms"])),
+        overflow_after_ms=0.0, steal_rtt_ms=rtt_ms, to_first=True)
+    result = await asyncio.to_thread(simulate.simulate, sim_options, plan.t_s.tolist(),
+                                     plan.priority.tolist(), plan.length.tolist())
+    sim = simulate.build(result, sim_options)
+    per = sim["meta"]["per_process"] if "meta" in sim else []
+    moved = [p["overflow_in"] for p in per]
+    sim_share = moved[1] / max(1, sum(p["batches"] for p in per)) if per else 0.0
+
+    r, s = real["summary"], sim["summary"]
+    report = (f"real: goodput {r['goodput']} B's share {real_share:.2f} rtt {rtt_ms:.1f} ms "
+              f"{r['counts_by_status']}\nsim:  goodput {s['goodput']} B's share "
+              f"{sim_share:.2f} {s['counts_by_status']}")
+    assert r["offered"] == s["offered"] and r["unsent"] == 0
+    assert stolen > 0, report
+    assert within(s["goodput"], r["goodput"], 0.15), report
+    assert abs(sim_share - real_share) <= 0.15, report

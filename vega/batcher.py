@@ -111,6 +111,15 @@ class Batcher:
     def depth(self, priority: int | None = None) -> int:
         return sum(self._depth) if priority is None else self._depth[priority]
 
+    @property
+    def spare_threads(self) -> int:
+        """Executor threads this batcher's own work leaves free now: what peers may borrow.
+
+        Its own queued items come first (a process steals only when it has none)."""
+        if any(self._depth):
+            return 0
+        return max(0, self.config.parallelism - len(self._inflight))
+
     def longest_queued(self) -> int:
         """The longest bucket with items queued (0 when none is)."""
         return next((b for b in range(len(self._bucket_depth) - 1, -1, -1)

@@ -11,10 +11,12 @@ the deadline, then give the item up. Arrivals are the load generator's own
 (``vega.traffic``), and the report and plots are ``vega.report``'s.
 
 Several processes (``--processes N``) share arrivals as Nginx ``least_conn`` would
-(fewest open requests, ties in turn). With ``--overflow-ms`` a process whose
-executor is booked more than that far ahead hands a formed batch to the peer whose
-executor frees first, when that peer can start it sooner even after
-``--steal-rtt-ms``; that is a model of the Redis Streams overflow, not its code.
+(fewest open requests, ties in turn), or all go to the first (``--to-first``). With
+``--overflow-ms`` the processes overflow to each other by the rule Vega's does (rule 11):
+admission shares the work ahead with the threads peers with no work of their own can
+lend, and a formed batch goes to such a peer once the wait here passes
+``--steal-rtt-ms`` plus the threshold, two waiting at most per lent thread. That is a
+model of the Redis Streams overflow, not its code.
 
 What is not modelled: HTTP parsing and JSON decoding (requests carry lengths
 only), the CPU the event loop itself takes from the model, network time, and
@@ -44,6 +46,7 @@ from vega.errors import STATUS_BY_CODE, VegaError
 from vega.profile import LatencyModel
 from vega.records import PRIORITY_NAMES, Batch, Item
 from vega.runtime import admission_config, batcher_config, planned, seed_batch_times
+from vega.streams import PENDING_PER_SPARE
 
 EXIT_CONFIG = 2
 
@@ -98,9 +101,25 @@ class _Open:
 class Overflow:
     """The model of batch overflow between processes (see the module docstring)."""
 
-    after_s: float  # a process's executor booked this far ahead: hand the batch away
-    rtt_s: float  # round trip of a handed-over batch (there and the answer back)
+    after_s: float  # VEGA_OVERFLOW_THRESHOLD_MS: the wait past the round trip to hand off
+    rtt_s: float  # the round trip the origin measures and decides by (waits at the thief too)
+    transport_s: float  # the time a handed-over batch spends in Redis, there and back
     peers: list[SimProcess] = field(default_factory=list)
+
+
+class SimReach:
+    """What a process's admission reads of its peers, as Runtime/Streams give it."""
+
+    def __init__(self, proc: SimProcess, overflow: Overflow) -> None:
+        self.proc = proc
+        self.overflow = overflow
+
+    def lent(self, model: str) -> float:
+        return float(sum(p.batcher.spare_threads for p in self.overflow.peers
+                         if p is not self.proc))
+
+    def room(self, model: str) -> bool:
+        return self.proc.handed_waiting() < PENDING_PER_SPARE * self.lent(model)
 
 
 class SimProcess:
@@ -129,13 +148,15 @@ class SimProcess:
         self.padding: list[float] = []
         self.overflow_out = 0
         self.overflow_in = 0
+        self._handed: list[float] = []  # when each batch handed to a peer starts there
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._warm_up()
         self.batcher = planned(self.batcher, self.settings)
+        reach = SimReach(self, self.overflow) if self.overflow is not None else None
         self.admission = Admission(admission_config(self.settings), self.batcher,
-                                   self.loop.time())
+                                   self.loop.time(), reach=reach)
         self.task = asyncio.create_task(self.batcher.run(), name=f"sim-batcher-{self.index}")
 
     async def stop(self) -> None:
@@ -210,15 +231,15 @@ class SimProcess:
         loop = self.loop
         now = loop.time()
         runner, delay = self, 0.0
-        overflow = self.overflow
-        if overflow is not None and self.booked_s(now) > overflow.after_s:
-            peer = min(overflow.peers, key=lambda p: p.booked_s(now))
-            if peer is not self and peer.booked_s(now) + overflow.rtt_s < self.booked_s(now):
-                runner, delay = peer, overflow.rtt_s
-                self.overflow_out += 1
-                peer.overflow_in += 1
+        peer = self._thief(now)
+        if peer is not None:
+            runner, delay = peer, self.overflow.transport_s if self.overflow else 0.0
+            self.overflow_out += 1
+            peer.overflow_in += 1
         seconds = self._draw(batch.pad_to, batch.size)
         finish = runner.book(now + delay / 2, seconds) + delay / 2
+        if runner is not self:
+            self._handed.append(finish - delay / 2 - seconds)
         batch.infer_s = seconds
         self.batches += 1
         self.sizes.append(batch.size)
@@ -226,6 +247,26 @@ class SimProcess:
         done: asyncio.Future[None] = loop.create_future()
         loop.call_at(finish, _resolve, batch, done)
         await done
+
+    def _thief(self, now: float) -> SimProcess | None:
+        """The peer a formed batch goes to, as Streams.worth_handing_off and the thieves
+        decide: the wait here passes the round trip (and the threshold), a peer with no
+        work of its own is there to steal, and fewer batches wait than peers lend."""
+        overflow = self.overflow
+        if overflow is None or self.booked_s(now) <= overflow.rtt_s + overflow.after_s:
+            return None
+        idle = [p for p in overflow.peers if p is not self and p.batcher.depth() == 0]
+        if not idle or self.handed_waiting() >= PENDING_PER_SPARE * sum(
+                p.batcher.spare_threads for p in idle):
+            return None
+        peer = min(idle, key=lambda p: p.booked_s(now))
+        return peer if peer.booked_s(now) + overflow.transport_s < self.booked_s(now) else None
+
+    def handed_waiting(self) -> int:
+        """Batches handed to peers that have not started there yet."""
+        now = self.loop.time()
+        self._handed = [start for start in self._handed if start > now]
+        return len(self._handed)
 
     def book(self, ready_at: float, seconds: float) -> float:
         """Queue ``seconds`` of work on the first free thread (FIFO pool); return its end."""
@@ -258,6 +299,8 @@ class SimOptions:
     snapshot_s: float = 0.1
     overflow_after_ms: float | None = None
     steal_rtt_ms: float = 2.0
+    to_first: bool = False  # every arrival to the first process (skewed, no balancer)
+    transport_ms: float = 2.0  # Redis's part of the round trip
 
 
 @dataclass
@@ -290,7 +333,8 @@ async def _main(options: SimOptions, t_s: Sequence[float], priority: Sequence[in
     settings = options.settings
     overflow = None
     if options.overflow_after_ms is not None and options.processes > 1:
-        overflow = Overflow(options.overflow_after_ms / 1000, options.steal_rtt_ms / 1000)
+        overflow = Overflow(options.overflow_after_ms / 1000, options.steal_rtt_ms / 1000,
+                            min(options.steal_rtt_ms, options.transport_ms) / 1000)
     procs = [SimProcess(i, settings, options.latency, requests, rng, options.noise, overflow)
              for i in range(options.processes)]
     if overflow is not None:
@@ -302,7 +346,8 @@ async def _main(options: SimOptions, t_s: Sequence[float], priority: Sequence[in
     sampler = _Sampler(loop, procs, snapshots, options.snapshot_s)
     sampler.tick()
     try:
-        await _drive(loop, procs, requests, priority, length, deadlines)
+        await _drive(loop, procs[:1] if options.to_first else procs, requests, priority,
+                     length, deadlines)
     finally:
         sampler.stop()
         for proc in procs:
@@ -456,9 +501,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulation")
     sim.add_argument("--processes", type=int, default=1, help="Vega processes behind least_conn")
     sim.add_argument("--overflow-ms", type=float,
-                     help="hand a batch to a peer when the executor is booked this far ahead")
+                     help="overflow between the processes on, with this VEGA_OVERFLOW_THRESHOLD_MS: "
+                          "a batch goes to an idle peer once the wait here passes the round "
+                          "trip by this much (0 is the default setting)")
     sim.add_argument("--steal-rtt-ms", type=float, default=2.0,
-                     help="round trip of a batch handed to a peer (default 2)")
+                     help="round trip of a batch handed to a peer as the origin measures it, "
+                          "waits at the thief included (vega_steal_rtt_seconds; default 2)")
+    sim.add_argument("--steal-transport-ms", type=float, default=2.0,
+                     help="Redis's part of that round trip (default 2)")
+    sim.add_argument("--to-first", action="store_true",
+                     help="send every request to the first process (the others only steal)")
     sim.add_argument("--no-noise", action="store_true",
                      help="every batch takes its profiled p50 (default: log-normal p50/p90)")
     sim.add_argument("--snapshot-ms", type=float, default=100.0,
@@ -482,7 +534,8 @@ def run(args: argparse.Namespace) -> int:
                              deadlines_s=parse_deadlines(str(traffic_options["deadline_ms"])),
                              seed=seed, noise=not args.no_noise,
                              snapshot_s=args.snapshot_ms / 1000,
-                             overflow_after_ms=args.overflow_ms, steal_rtt_ms=args.steal_rtt_ms)
+                             overflow_after_ms=args.overflow_ms, steal_rtt_ms=args.steal_rtt_ms,
+                             to_first=args.to_first, transport_ms=args.steal_transport_ms)
         arrivals = traffic.plan(traffic_options, np.random.default_rng(seed))
     except (ConfigError, ValueError, OSError, KeyError) as error:
         print(f"vega simulate: {error}", file=sys.stderr)

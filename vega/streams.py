@@ -428,7 +428,7 @@ class Streams:
                                           for m, (_, b) in self.models.items()}),
             "inflight": sum(b.inflight for _, b in self.models.values()),
             "handed_off": len(self._pending),
-            "spare": orjson.dumps({m: _spare(b) if self.stealing else 0
+            "spare": orjson.dumps({m: b.spare_threads if self.stealing else 0
                                    for m, (_, b) in self.models.items()}),
         }
         async with self.cmd.pipeline(transaction=False) as pipe:
@@ -463,17 +463,6 @@ def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
                 "spare": orjson.loads(state.get(b"spare", b"{}"))}
     except (KeyError, ValueError, orjson.JSONDecodeError):
         return None
-
-
-def _spare(batcher: Batcher) -> int:
-    """Executor threads this process can lend to peers now: those its own work leaves free.
-
-    Its own queued items come first (a process steals only when it has none), and
-    stolen batches do not count: they are what the threads are lent for.
-    """
-    if batcher.depth():
-        return 0
-    return max(0, batcher.config.parallelism - batcher.inflight)
 
 
 def _fail(batch: Batch, error: VegaError) -> None:
