@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -11,11 +12,14 @@ import tempfile
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
+from tests.books import NOT_ACCEPTED, Books, offer, steady
 from tests.infra import require
-from tests.models import window
+from tests.models import tagged, window
 from tests.servers import ROOT, free_port, wait_until
+from vega.cluster import _ready
 
 
 @pytest.mark.timeout(180)
@@ -59,3 +63,64 @@ def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Pat
                                 f"s.connect({str(path)!r})"], capture_output=True, check=False)
         assert probe.returncode != 0
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def vega_children(pid: int) -> list[int]:
+    """The `vega serve` processes a `vega cluster` started (its direct children)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = []
+    for child in map(int, children):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:4] == [b"-m", b"vega", b"serve"]:
+            found.append(child)
+    return found
+
+
+@pytest.mark.timeout(240)
+async def test_a_killed_process_is_restarted_and_no_caller_sees_a_502() -> None:
+    require("nginx", "redis-server")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
+    env.update(VEGA_MODEL="python:tests.models:echo", VEGA_TORCH_THREADS="1",
+               VEGA_WARMUP_BATCHES="1", PYTHONPATH=str(ROOT), TEST_SLEEP_MS="10")
+    run_dir = Path(tempfile.mkdtemp(prefix="vega-cluster-test-"))
+    out = run_dir / "cluster.out"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "vega", "cluster", "-n", "2", "--listen",
+                                 f"127.0.0.1:{port}", "--dir", str(run_dir)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        await asyncio.to_thread(wait_until, lambda: "behind http://" in out.read_text(), 120,
+                                "the cluster to be ready")
+        victim = vega_children(proc.pid)[0]
+        books = Books()
+        plan = steady(80, 6.0, lambda i, p: orjson.dumps({"inputs": tagged(i)}))
+        load = asyncio.ensure_future(offer(f"http://127.0.0.1:{port}", plan, books,
+                                           connections=32))
+        await asyncio.sleep(1.5)
+        os.kill(victim, signal.SIGKILL)
+        await load
+        assert books.problems() == [], books.summary()
+        assert NOT_ACCEPTED not in books.tally() and "502" not in str(books.tally())
+        assert books.tally()["200"] >= 0.9 * len(plan), books.summary()
+        # Back and warm within 30 s of the kill, and said so.
+        await asyncio.to_thread(wait_until, lambda: "process 1 restarted" in out.read_text()
+                                or "process 2 restarted" in out.read_text(), 30, "a restart")
+        sockets = sorted(run_dir.glob("vega-*.sock"))
+        await asyncio.to_thread(wait_until, lambda: all(_ready(s) for s in sockets), 30,
+                                "both ready")
+        assert victim not in vega_children(proc.pid) and len(vega_children(proc.pid)) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 60) == 0  # still drains and stops
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)

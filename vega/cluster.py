@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from vega.config import ConfigError, load_settings
@@ -100,14 +100,71 @@ def run(args: argparse.Namespace) -> int:
         print(f"vega cluster: {args.processes} process(es) behind http://{args.listen} "
               f"(redis {'given' if settings.redis_url else 'local'}; logs in {workdir}); "
               "Ctrl-C stops", flush=True)
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        print("vega cluster: a process exited; stopping the rest", file=sys.stderr)
-        return 1
+        def start(index: int) -> subprocess.Popen[bytes]:
+            return _start_vega(index, sockets[index - 1], redis_url, workdir, args.env_file)
+        return _supervise(procs, start)
     except KeyboardInterrupt:
         return 0
     finally:
         _stop(procs)
+
+
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+CRASH_LOOP = (5, 60.0)  # this many unexpected exits within this many seconds: give up
+
+
+def _supervise(procs: list[subprocess.Popen[bytes]],
+               start: Callable[[int], subprocess.Popen[bytes]]) -> int:
+    """Restart a ``vega serve`` that exits, with backoff, until Ctrl-C or SIGTERM.
+
+    Nginx keeps serving through the others meanwhile (a dead socket fails over at once:
+    ``proxy_next_upstream error``; a restarting one answers 503 ``not_ready`` until warm).
+    A process exiting CRASH_LOOP[0] times within CRASH_LOOP[1] seconds is left down, and
+    said so. Nginx or Redis exiting, or every Vega process given up, stops the cluster.
+    """
+    vegas = {index: proc for index, proc in enumerate(
+        (p for p in procs if _is_vega(p)), 1)}
+    others = [p for p in procs if not _is_vega(p)]
+    exits: dict[int, list[float]] = {index: [] for index in vegas}
+    due: dict[int, float] = {}  # process index -> when it is restarted
+    while True:
+        now = time.monotonic()
+        for proc in others:
+            if proc.poll() is not None:
+                name = proc.args[0] if isinstance(proc.args, list) else proc.args
+                print(f"vega cluster: {name!s} exited with {proc.returncode}; stopping",
+                      file=sys.stderr, flush=True)
+                return 1
+        for index, proc in vegas.items():
+            if index in due or proc.poll() is None:
+                continue
+            recent = [t for t in exits[index] if now - t < CRASH_LOOP[1]] + [now]
+            exits[index] = recent
+            if len(recent) >= CRASH_LOOP[0]:
+                print(f"vega cluster: process {index} exited {len(recent)} times within "
+                      f"{CRASH_LOOP[1]:g} s (last status {proc.returncode}); not restarting it "
+                      f"(see vega-{index}.log)", file=sys.stderr, flush=True)
+                due[index] = float("inf")
+                continue
+            wait_s = RESTART_BACKOFF_S[min(len(recent), len(RESTART_BACKOFF_S)) - 1]
+            print(f"vega cluster: process {index} exited with status {proc.returncode}; "
+                  f"restarting in {wait_s:g} s", file=sys.stderr, flush=True)
+            due[index] = now + wait_s
+        if all(due.get(index) == float("inf") for index in vegas):
+            print("vega cluster: no Vega process left; stopping", file=sys.stderr, flush=True)
+            return 1
+        for index, when in list(due.items()):
+            if when <= now:
+                del due[index]
+                old = vegas[index]
+                vegas[index] = procs[procs.index(old)] = start(index)
+                print(f"vega cluster: process {index} restarted (pid {vegas[index].pid})",
+                      file=sys.stderr, flush=True)
+        time.sleep(0.2)
+
+
+def _is_vega(proc: subprocess.Popen[bytes]) -> bool:
+    return isinstance(proc.args, list) and proc.args[1:3] == ["-m", "vega"]
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -57,6 +57,12 @@ log = logging.getLogger("vega.streams")
 
 REPLY_CODES = frozenset({"model_error", "declined", "dead_letter"})
 PENDING_PER_SPARE = 2  # batches handed off at once per thread the peers can lend
+# KEYS[1] the overflow stream, ARGV group and entry id: -1 if a consumer has read the entry,
+# else the entries deleted (1: it was still waiting; 0: it had left the stream already).
+_DELETE_UNLESS_DELIVERED = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) > 0 then return -1 end
+return redis.call('XDEL', KEYS[1], ARGV[2])
+"""
 
 RunLocal = Callable[[Batch], Awaitable[None]]
 
@@ -285,17 +291,18 @@ class Streams:
     async def _take_back_unless_claimed(self, key: str, handoff: Handoff) -> None:
         """Take the batch back if no peer has read it yet; else wait for its answer."""
         model = handoff.batch.model
-        try:
-            claimed = await self.cmd.xpending_range(overflow_key(model), GROUP, handoff.entry_id,
-                                                    handoff.entry_id, 1)
+        try:  # one step on the server: no thief can read it between the check and the delete
+            claimed = await self.cmd.eval(_DELETE_UNLESS_DELIVERED, 1, overflow_key(model),
+                                          GROUP, handoff.entry_id)
         except rexc.RedisError as error:
             self.redis_error(error)  # takes every pending batch back
             return
         if key not in self._pending:
             return  # answered meanwhile
-        if not claimed:
+        if claimed == 1:  # deleted unread: no peer will run it
             self._take_back(key, "unclaimed")
             return
+        # Read by a peer, or passed on by a busy one under a new id: wait for its answer.
         loop = asyncio.get_running_loop()
         handoff.timer = loop.call_at(handoff.last_call, self._take_back, key, "timeout")
 
