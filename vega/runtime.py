@@ -375,14 +375,13 @@ class Runtime:
         self.metrics.model_processes_up.set(sum(p.up for p in executor.processes))
         self.metrics.model_process_restarts.inc(executor.restarts - self._restarts_counted)
         self._restarts_counted = executor.restarts
+        inflight = sum(s.batcher.inflight for s in self.models.values())
         for name, served in self.models.items():
             self.metrics.peer_lent.labels(name).set(self.lent(name))
             refused = served.admission.refused_with_room
             self.metrics.refused_with_room.labels(name).inc(
                 refused - self._refused_counted.get(name, 0))
             self._refused_counted[name] = refused
-        inflight = sum(s.batcher.inflight for s in self.models.values())
-        for name, served in self.models.items():
             for index, bound in enumerate(served.batcher.config.buckets):
                 self.metrics.bucket_bound.labels(name, str(index)).set(bound)
             depths = [served.batcher.depth(p) for p in range(len(PRIORITY_NAMES))]
