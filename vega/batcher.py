@@ -37,11 +37,9 @@ log = logging.getLogger("vega.batcher")
 # predicted to free: FORM_AHEAD of the freeing batch's predicted time ahead, and at
 # least FORM_AHEAD_MIN_S (the loop's clock ticks in ms, and it must get round to it).
 # Formed as soon as it was full, it waited out the running batch in the executor's queue
-# while fresher items queued behind it. At 1024 connections, four rounds taking turns:
-# p50 64 -> 42 ms, p99 after the first second 93 -> 71 ms, requests/s the same within the
-# noise. Formed only once the thread was free, the thread sat idle ~0.8 ms a batch (3.6%).
-# The lead is the freeing batch's, not the candidate's: with each bucket's own lead, long
-# buckets always fell due first, and the mixed-length burst simulation lost 1/5 of its 200s.
+# while fresher items queued behind it; formed only once the thread was free, the thread
+# sat idle while the loop formed it. The lead is the freeing batch's, not the candidate's:
+# with each bucket's own lead, long buckets always fell due first (docs/tuning.md).
 FORM_AHEAD = 0.3
 FORM_AHEAD_MIN_S = 0.002
 
@@ -276,7 +274,7 @@ class Batcher:
             # Work-conserving: a free thread takes what is here now. While every thread
             # is busy, a partial batch sent on would only wait behind them at the size it
             # has; held here it grows until a thread frees (which wakes this loop) or it
-            # fills. Measured at 64 connections: mean batch 21 -> 32, +40-50% requests/s.
+            # fills, so batches grow with load.
             if idle or full or (not hold and ready_at <= now):
                 top = next(p for p, item in enumerate(heads) if item is not None)
                 key = (top, self._urgency(bucket, oldest, now) if idle else (0, oldest))
