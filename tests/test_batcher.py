@@ -410,8 +410,17 @@ def costed(batcher: Batcher, lines: dict[int, tuple[float, float]]) -> None:
             batcher.times.observe(bucket, size, fixed + per_item * size)
 
 
-async def formed_once(batcher: Batcher, sink: RecordingSink, items: list[Item]) -> Batch:
-    """Queue ``items`` before the loop looks, then let it form one batch."""
+def held(lines: dict[int, tuple[float, float]]) -> tuple[Batcher, RecordingSink]:
+    """A work-conserving batcher with costs ``lines``, not yet running; its sink holds."""
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher = Batcher(config(max_batch_size=4, dispatch_when_idle=True), sink)
+    costed(batcher, lines)
+    return batcher, sink
+
+
+async def formed_once(batcher: Batcher, sink: RecordingSink) -> Batch:
+    """Let the loop look at what is queued and form one batch."""
     task = asyncio.create_task(batcher.run())
     try:
         while not sink.batches:
@@ -424,13 +433,10 @@ async def formed_once(batcher: Batcher, sink: RecordingSink, items: list[Item]) 
 
 async def test_neighbouring_buckets_share_a_batch_when_padding_costs_less_than_a_pass() -> None:
     # A large fixed cost per forward pass, little per item: one batch of both is cheaper.
-    sink = RecordingSink()
-    sink.gate.clear()
-    batcher = Batcher(config(max_batch_size=4, dispatch_when_idle=True), sink)
-    costed(batcher, {0: (0.010, 0.0001), 1: (0.010, 0.0002), 2: (0.010, 0.001)})
-    short = [item(batcher, length=10), item(batcher, length=12)]
-    middle = [item(batcher, length=40)]
-    batch = await formed_once(batcher, sink, short + middle)
+    batcher, sink = held({0: (0.010, 0.0001), 1: (0.010, 0.0002), 2: (0.010, 0.001)})
+    for length in (10, 12, 40):
+        item(batcher, length=length)
+    batch = await formed_once(batcher, sink)
     assert sorted(i.length for i in batch.items) == [10, 12, 40]
     assert batch.bucket == 1 and batch.pad_to == 40
 
@@ -438,13 +444,10 @@ async def test_neighbouring_buckets_share_a_batch_when_padding_costs_less_than_a
 async def test_buckets_stay_apart_when_padding_costs_more_than_a_pass() -> None:
     # Per-item cost grows steeply with length: padding short items to 512 steps costs more
     # than running them on their own.
-    sink = RecordingSink()
-    sink.gate.clear()
-    batcher = Batcher(config(max_batch_size=4, dispatch_when_idle=True), sink)
-    costed(batcher, {0: (0.001, 0.0001), 1: (0.001, 0.0004), 2: (0.001, 0.02)})
-    short = [item(batcher, length=10), item(batcher, length=12)]
-    long = [item(batcher, length=300)]
-    batch = await formed_once(batcher, sink, short + long)
+    batcher, sink = held({0: (0.001, 0.0001), 1: (0.001, 0.0004), 2: (0.001, 0.02)})
+    for length in (10, 12, 300):
+        item(batcher, length=length)
+    batch = await formed_once(batcher, sink)
     assert sorted(i.length for i in batch.items) == [10, 12]
     assert batch.bucket == 0 and batch.pad_to == 12
     assert batcher.bucket_depth(2) == 1  # the long one waits for a batch of its own

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_batcher import RecordingSink, config, costed, formed_once, item
+from tests.test_batcher import RecordingSink, config, costed, formed_once, held, item
 from vega.batcher import Batcher
 from vega.buckets import line_at, per_item_s, plan_bounds
 from vega.timing import BatchTimes
@@ -80,20 +80,19 @@ async def test_a_rebucketed_batcher_predicts_from_the_measured_lines() -> None:
 
 async def test_an_idle_thread_takes_the_cheapest_group_first_unless_one_is_overdue() -> None:
     def started(long_age_s: float) -> tuple[Batcher, RecordingSink]:
-        sink = RecordingSink()
-        sink.gate.clear()
-        batcher = Batcher(config(max_batch_size=4, dispatch_when_idle=True), sink)
         # Long windows cost 10 ms an item: a batch of them serves 100 items a second,
         # one of the short ones ~1,900.
-        costed(batcher, {0: (0.001, 0.0001), 1: (0.001, 0.0005), 2: (0.001, 0.01)})
+        batcher, sink = held({0: (0.001, 0.0001), 1: (0.001, 0.0005), 2: (0.001, 0.01)})
         old = item(batcher, length=300)
         old.enqueued_at -= long_age_s
         return batcher, sink
 
     batcher, sink = started(long_age_s=0.0)
-    shorts = [item(batcher, length=10) for _ in range(2)]
-    batch = await formed_once(batcher, sink, shorts)
+    for _ in range(2):
+        item(batcher, length=10)
+    batch = await formed_once(batcher, sink)
     assert [i.length for i in batch.items] == [10, 10]
     batcher, sink = started(long_age_s=1.0)  # past two of its own batch times (2 x 41 ms)
-    batch = await formed_once(batcher, sink, [item(batcher, length=10)])
+    item(batcher, length=10)
+    batch = await formed_once(batcher, sink)
     assert [i.length for i in batch.items] == [300]

@@ -22,6 +22,17 @@ from tests.servers import ROOT, free_port, wait_until
 from vega.cluster import _ready
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """After a failed assertion: let `vega cluster` stop its children, then kill it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.timeout(180)
 def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Path) -> None:
     require("nginx", "redis-server")
@@ -49,13 +60,7 @@ def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Pat
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:  # a failed assertion: let it stop its children, then kill
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
     sockets = list(run_dir.glob("vega-*.sock"))
     assert len(sockets) <= 2
     for path in sockets:  # nothing listens any more
@@ -116,11 +121,5 @@ async def test_a_killed_process_is_restarted_and_no_caller_sees_a_502() -> None:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 60) == 0  # still drains and stops
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         shutil.rmtree(run_dir, ignore_errors=True)
