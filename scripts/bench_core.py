@@ -142,7 +142,7 @@ def serve(port: int, **env: str) -> subprocess.Popen[bytes]:
 
 def bench(port: int, connections: int, seconds: float, length: int, out: Path,
           polite: bool) -> dict[str, Any]:
-    subprocess.run([sys.executable, "-m", "vega.loadgen", f"http://127.0.0.1:{port}",
+    subprocess.run([sys.executable, "-m", "vega.lab.loadgen", f"http://127.0.0.1:{port}",
                     "--mode", "closed", "--connections", str(connections),
                     "--max-connections", str(connections), "--duration-s", str(seconds),
                     "--lengths", str(length), "--mix", "normal=1", "--deadline-ms", "5000",

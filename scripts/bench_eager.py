@@ -55,7 +55,7 @@ PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
 def load(port: int, connections: int, seconds: float, lengths: str, out: Path) -> dict[str, Any]:
     import subprocess
 
-    subprocess.run([sys.executable, "-m", "vega.loadgen", f"http://127.0.0.1:{port}",
+    subprocess.run([sys.executable, "-m", "vega.lab.loadgen", f"http://127.0.0.1:{port}",
                     "--mode", "closed", "--connections", str(connections),
                     "--max-connections", str(connections), "--duration-s", str(seconds),
                     "--lengths", lengths, "--mix", "normal=1", "--deadline-ms", "1000",

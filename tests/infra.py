@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.servers import free_port, wait_until
-from vega.cluster import render_nginx
+from vega.lab.cluster import render_nginx
 
 
 def require(*programs: str) -> None:

@@ -13,8 +13,8 @@ import redis
 from tests.infra import RedisServer
 from tests.models import forwarded, window
 from tests.servers import VegaProcess, wait_until
-from vega.cache import ENTRY_OVERHEAD, LruBytes, cache_key, models_to_cache
 from vega.config import load_settings
+from vega.pressure.cache import ENTRY_OVERHEAD, LruBytes, cache_key, models_to_cache
 
 ECHO = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_LENGTH_BUCKETS": "16",
         "VEGA_CACHE_BYTES": "1000000"}

@@ -10,7 +10,7 @@ import orjson
 
 from tests.models import window
 from tests.servers import VegaProcess, wait_until
-from vega.capacity import Capacity, CapacityConfig, Sample
+from vega.pressure.capacity import Capacity, CapacityConfig, Sample
 
 CLASSES = ("critical", "normal", "sheddable")
 

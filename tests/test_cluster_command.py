@@ -19,7 +19,7 @@ from tests.books import NOT_ACCEPTED, Books, offer, steady
 from tests.infra import require
 from tests.models import tagged, window
 from tests.servers import ROOT, free_port, wait_until
-from vega.cluster import _ready
+from vega.lab.cluster import _ready
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

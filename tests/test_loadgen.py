@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from tests.servers import VegaProcess
-from vega import loadgen, traffic
-from vega.hdr import Histogram
-from vega.report import (
+from vega.lab import loadgen, traffic
+from vega.lab.hdr import Histogram
+from vega.lab.report import (
     Record,
     Tally,
     build_report,

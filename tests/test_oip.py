@@ -22,8 +22,8 @@ from tests.servers import VegaProcess, wait_until
 from vega.config import load_settings
 from vega.errors import VegaError
 from vega.models import TensorSpec
-from vega.oip import parse_request, request_deadline_ms, request_priority
-from vega.oip_binary import from_binary, from_json, to_binary
+from vega.oip.binary import from_binary, from_json, to_binary
+from vega.oip.routes import parse_request, request_deadline_ms, request_priority
 from vega.records import CRITICAL, NORMAL, SHEDDABLE
 
 

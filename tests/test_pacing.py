@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vega.pacing import RefusalPacer
+from vega.pressure.pacing import RefusalPacer
 
 
 def test_refusals_within_the_rate_are_answered_at_once() -> None:

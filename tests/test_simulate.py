@@ -16,9 +16,9 @@ import pytest
 
 from tests.infra import RedisServer
 from tests.servers import VegaProcess, metric, wait_until
-from vega import loadgen, profile, simclock, simulate, traffic
 from vega.config import load_settings
-from vega.profile import LatencyModel
+from vega.lab import loadgen, profile, simclock, simulate, traffic
+from vega.lab.profile import LatencyModel
 
 PROFILE: dict[str, Any] = {  # 2 ms + 0.25 ms per item, whatever the length
     "model": "fake", "buckets": [16, 512], "sizes": [1, 32],

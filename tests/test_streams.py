@@ -13,11 +13,8 @@ import redis.asyncio as aioredis
 
 from tests.infra import RedisServer
 from tests.models import echo, window
-from vega.config import load_settings
-from vega.keys import dlq_key, node_key, overflow_key, reply_key
-from vega.records import CRITICAL, Batch, Item
-from vega.runtime import Runtime
-from vega.wire import (
+from vega.channel.keys import dlq_key, node_key, overflow_key, reply_key
+from vega.channel.wire import (
     Overflow,
     Reply,
     WireError,
@@ -27,6 +24,9 @@ from vega.wire import (
     encode_overflow,
     encode_reply,
 )
+from vega.config import load_settings
+from vega.records import CRITICAL, Batch, Item
+from vega.runtime import Runtime
 
 CODES = frozenset({"model_error", "declined", "dead_letter"})
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from vega.batcher import Batcher
+from vega.config import Settings
 from vega.errors import VegaError
 from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES, SHEDDABLE
 
@@ -32,6 +33,12 @@ class AdmissionConfig:
     # Under a standing queue, the most queued work (seconds) a non-critical item may
     # join; at least two full batches of its bucket so batching keeps its pipeline.
     standing_target_s: float = 0.005
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> AdmissionConfig:
+        return cls(queue_capacity=s.queue_capacity, shed_watermark=s.shed_watermark,
+                   normal_watermark=s.normal_watermark, rate_limit=s.rate_limit, burst=s.burst,
+                   margin_s=s.deadline_margin_ms / 1000, standing_target_s=s.codel_target_ms / 1000)
 
 
 class TokenBucket:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vega.buckets import line_at
+from vega.config import Settings, length_bounds
 from vega.errors import VegaError
 from vega.records import CRITICAL, PRIORITY_NAMES, Batch, Item
 from vega.timing import BatchTimes, ServiceRate
@@ -62,6 +63,16 @@ class BatcherConfig:
     hands_off: bool = False
     parallelism: int = 1  # executor threads running batches at once
     standing_after_s: float = 0.1  # CoDel interval (DESIGN.md rule 5)
+
+    @classmethod
+    def from_settings(cls, s: Settings, model: str, max_length: int,
+                      hands_off: bool = False) -> BatcherConfig:
+        """A model's batcher as the settings describe it (the simulator builds the same)."""
+        return cls(model=model, buckets=length_bounds(s.length_buckets, max_length),
+                   max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
+                   dispatch_when_idle=s.dispatch_when_idle, hands_off=hands_off,
+                   max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
+                   standing_after_s=s.codel_interval_ms / 1000)
 
 
 class Batcher:

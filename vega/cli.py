@@ -35,10 +35,10 @@ log = logging.getLogger("vega")
 # Tools that share the `vega` command but not the server's settings; each module has
 # configure(parser) and run(args), and is imported only when its command is used.
 TOOLS = {
-    "bench": ("vega.loadgen", "drive a server with open- or closed-loop load; report and plot"),
-    "profile": ("vega.profile", "measure the model's batch latency per bucket and size"),
-    "simulate": ("vega.simulate", "replay a traffic profile through the real policy code"),
-    "cluster": ("vega.cluster", "run N processes, Redis and Nginx on this machine"),
+    "bench": ("vega.lab.loadgen", "drive a server with open- or closed-loop load; report and plot"),
+    "profile": ("vega.lab.profile", "measure the model's batch latency per bucket and size"),
+    "simulate": ("vega.lab.simulate", "replay a traffic profile through the real policy code"),
+    "cluster": ("vega.lab.cluster", "run N processes, Redis and Nginx on this machine"),
 }
 
 

@@ -100,7 +100,7 @@ def hung_up(receive: Receive) -> Callable[[], bool] | None:
 async def conclude(runtime: Runtime, model: str, priority: int, outcome: str,
                    started: float) -> None:
     """Count one answer (a 200 with its time since ``started``), then hold it if it is a
-    refusal past VEGA_REFUSAL_RATE, until its turn (vega/pacing.py).
+    refusal past VEGA_REFUSAL_RATE, until its turn (vega/pressure/pacing.py).
 
     Handlers call this once the frame that read and parsed the request has returned, so
     a held refusal keeps nothing of its request alive: under a 1024-connection flood

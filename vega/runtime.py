@@ -17,17 +17,18 @@ from typing import Any
 
 from vega.admission import Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
-from vega.buckets import plan_bounds
-from vega.capacity import Capacity, CapacityConfig, Sample, sample_forever
-from vega.config import Settings, length_bounds
+from vega.config import Settings
 from vega.errors import REFUSALS, VegaError
 from vega.executor import Executor, pick_device, process_plan
 from vega.metrics import Metrics
 from vega.models import ModelAdapter, load_model
 from vega.models.loader import ModelLoadError
-from vega.pacing import RefusalPacer
+from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
+from vega.pressure.pacing import RefusalPacer
 from vega.records import PRIORITY_BY_NAME, PRIORITY_NAMES, Batch, Item
+from vega.status import Reporter
 from vega.streams import Streams
+from vega.warmup import planned, seed_batch_times
 
 log = logging.getLogger("vega.runtime")
 
@@ -81,8 +82,6 @@ class Runtime:
                                  torch_threads=settings.torch_threads,
                                  plan=process_plan(settings, self._adapters, specs))
         self._warm = False
-        self._restarts_counted = 0
-        self._refused_counted: dict[str, int] = {}
         self.draining = False
         self.failed: BaseException | None = None
         # Called once the start has finished: with None when ready, else with the error.
@@ -93,6 +92,7 @@ class Runtime:
         self._quiet.set()
         self.streams: Streams | None = None  # overflow to peers, with VEGA_REDIS_URL
         self.pacer = RefusalPacer(settings.refusal_rate, settings.refusal_max_hold_ms / 1000)
+        self.reporter = Reporter(self)
         self._local_batches = 0  # batches given to this process's executor, not yet done
 
     # -- lifecycle -----------------------------------------------------------------
@@ -121,12 +121,12 @@ class Runtime:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.executor.load, self.device)
         for adapter in self._adapters:
-            batcher = Batcher(batcher_config(s, adapter.name, adapter.max_length,
-                                             hands_off=bool(s.redis_url)),
+            batcher = Batcher(BatcherConfig.from_settings(s, adapter.name, adapter.max_length,
+                                                         hands_off=bool(s.redis_url)),
                               self._sink, self.metrics.observe_batch)
             await self.executor.call(self._warm_up, adapter, batcher)
             batcher = planned(batcher, s)
-            served = Served(adapter, batcher, Admission(admission_config(s), batcher, loop.time(),
+            served = Served(adapter, batcher, Admission(AdmissionConfig.from_settings(s), batcher, loop.time(),
                                                         reach=self))
             served.task = asyncio.create_task(batcher.run(), name=f"batcher-{adapter.name}")
             served.task.add_done_callback(_log_task_end)
@@ -137,7 +137,7 @@ class Runtime:
                                    self._run_local)
             self.streams.start()
         self._capacity_task = asyncio.create_task(
-            sample_forever(self.capacity, self._capacity_sample, s.capacity_sample_s),
+            sample_forever(self.capacity, self.reporter.capacity_sample, s.capacity_sample_s),
             name="capacity")
         self._capacity_task.add_done_callback(_log_task_end)
 
@@ -367,102 +367,13 @@ class Runtime:
         run_s = batcher.times.predict(batch.bucket, batch.size)
         return batcher.backlog_s() + self._local_batches * run_s / batcher.config.parallelism
 
-    # -- what status and metrics read ----------------------------------------------
+    # -- what status and metrics read (vega.status) ----------------------------------
 
     def refresh_metrics(self) -> None:
-        self.metrics.ready.set(1 if self.ready and not self.draining else 0)
-        executor = self.executor
-        self.metrics.model_processes_up.set(sum(p.up for p in executor.processes))
-        self.metrics.model_process_restarts.inc(executor.restarts - self._restarts_counted)
-        self._restarts_counted = executor.restarts
-        inflight = sum(s.batcher.inflight for s in self.models.values())
-        for name, served in self.models.items():
-            self.metrics.peer_lent.labels(name).set(self.lent(name))
-            refused = served.admission.refused_with_room
-            self.metrics.refused_with_room.labels(name).inc(
-                refused - self._refused_counted.get(name, 0))
-            self._refused_counted[name] = refused
-            for index, bound in enumerate(served.batcher.config.buckets):
-                self.metrics.bucket_bound.labels(name, str(index)).set(bound)
-            depths = [served.batcher.depth(p) for p in range(len(PRIORITY_NAMES))]
-            self.metrics.set_queue(name, depths, inflight, served.batcher.rate.items_per_s)
-            for priority, age_s in self._queue_ages(served).items():
-                self.metrics.queue_age.labels(name, priority).set(age_s)
-        view = self.capacity
-        self.metrics.utilisation.set(view.utilisation)
-        self.metrics.suggested_processes.set(view.suggested or 1)
-        for reason, rate in view.refusal_rate.items():
-            self.metrics.refusal_rate.labels(reason).set(rate)
+        self.reporter.refresh_metrics()
 
     def status(self) -> dict[str, Any]:
-        models = {}
-        for name, served in self.models.items():
-            b = served.batcher
-            models[name] = {
-                "depth": {p: b.depth(i) for i, p in enumerate(PRIORITY_NAMES)},
-                "inflight_batches": b.inflight,
-                "service_rate_items_per_s": round(b.rate.items_per_s, 1),
-                "backlog_ms": round(1000 * b.backlog_s(), 2),
-                "standing_queue": b.standing(asyncio.get_running_loop().time()),
-                "peer_threads_lent": self.lent(name),
-                "refused_while_peers_had_room": served.admission.refused_with_room,
-                "length_buckets": list(b.config.buckets),
-                "padding_share": round(b.padded_steps / b.batch_steps, 4) if b.batch_steps else 0.0,
-                "queue_age_ms": {p: round(1000 * age, 1)
-                                 for p, age in self._queue_ages(served).items()},
-            }
-        executor = self.executor
-        return {"node": self.node_id, "ready": self.ready, "draining": self.draining,
-                "device": self.device,
-                "executor": {"kind": executor.kind, "threads": executor.threads,
-                             "processes_up": sum(p.up for p in executor.processes),
-                             "restarts": executor.restarts,
-                             "pids": [p.pid for p in executor.processes]}, "active_requests": self.active_requests,
-                "models": models, "outcomes": self._outcomes(),
-                "redis_up": self.streams is not None and self.streams.up,
-                "peers": self.streams.peers if self.streams is not None else [],
-                "fallback_model": self.fallback_model, "capacity": self.capacity.view()}
-
-    def _queue_ages(self, served: Served) -> dict[str, float]:
-        now = asyncio.get_running_loop().time()
-        ages = {}
-        for index, name in enumerate(PRIORITY_NAMES):
-            oldest = served.batcher.oldest(index)
-            ages[name] = 0.0 if oldest is None else max(0.0, now - oldest)
-        return ages
-
-    def _capacity_sample(self) -> Sample:
-        """The runtime's values as the capacity signal reads them."""
-        depth = dict.fromkeys(PRIORITY_NAMES, 0)
-        ages = dict.fromkeys(PRIORITY_NAMES, 0.0)
-        for served in self.models.values():
-            for name, age in self._queue_ages(served).items():
-                depth[name] += served.batcher.depth(PRIORITY_BY_NAME[name])
-                ages[name] = max(ages[name], age)
-        main = self.models[self.default_model].batcher
-        refusals: dict[str, float] = {}
-        for metric in self.metrics.rejections.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    reason = sample.labels["reason"]
-                    refusals[reason] = refusals.get(reason, 0.0) + sample.value
-        streams = self.streams
-        peers = len(streams.peers) if streams is not None and streams.up else 0
-        return Sample(at=asyncio.get_running_loop().time(), busy_s=self.executor.busy_s,
-                      threads=self.executor.threads, depth=depth, oldest_age_s=ages,
-                      refusals=refusals,
-                      item_s=main.times.per_item_s(0, main.config.max_batch_size),
-                      processes=1 + peers,
-                      overflow=dict(streams.counts) if streams is not None else {})
-
-    def _outcomes(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for metric in self.metrics.requests.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    outcome = sample.labels["outcome"]
-                    counts[outcome] = counts.get(outcome, 0) + int(sample.value)
-        return counts
+        return self.reporter.status()
 
 
 async def _await_items(items: list[Item], deadline: float) -> Answer:
@@ -510,54 +421,6 @@ def _length_hint(instance: Any) -> int:
         return max(1, len(instance))
     except TypeError:
         return 1
-
-
-def batcher_config(s: Settings, model: str, max_length: int,
-                   hands_off: bool = False) -> BatcherConfig:
-    """A model's batcher as the settings describe it (the simulator builds the same)."""
-    return BatcherConfig(
-        model=model, buckets=length_bounds(s.length_buckets, max_length),
-        max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
-        dispatch_when_idle=s.dispatch_when_idle, hands_off=hands_off,
-        max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
-        standing_after_s=s.codel_interval_ms / 1000)
-
-
-def admission_config(s: Settings) -> AdmissionConfig:
-    return AdmissionConfig(
-        queue_capacity=s.queue_capacity, shed_watermark=s.shed_watermark,
-        normal_watermark=s.normal_watermark, rate_limit=s.rate_limit, burst=s.burst,
-        margin_s=s.deadline_margin_ms / 1000, standing_target_s=s.codel_target_ms / 1000)
-
-
-def planned(batcher: Batcher, s: Settings) -> Batcher:
-    """The warmed-up batcher, its length buckets cut again from what warm-up measured."""
-    bounds = plan_bounds(batcher.config.buckets, batcher.times, s.max_batch_size,
-                         s.bucket_padding)
-    if bounds == batcher.config.buckets:
-        return batcher
-    log.info("model %s: length buckets %s from the measured costs",
-             batcher.config.model, ",".join(map(str, bounds)))
-    return batcher.rebucketed(bounds)
-
-
-def seed_batch_times(batcher: Batcher, passes: int,
-                     measure: Callable[[int, int], float]) -> None:
-    """Warm-up: time every (bucket, size in {1, half, max}) shape ``passes`` times.
-
-    ``measure(bound, size)`` runs one batch and returns its seconds; its first call per
-    shape is untimed (lazy initialisation), the others seed the predictor and the rate.
-    """
-    if passes == 0:
-        return
-    top = batcher.config.max_batch_size
-    for bucket, bound in enumerate(batcher.config.buckets):
-        for size in sorted({1, max(1, top // 2), top}):
-            measure(bound, size)
-            for _ in range(passes):
-                seconds = measure(bound, size)
-                batcher.times.observe(bucket, size, seconds)
-                batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
 
 
 def _log_task_end(task: asyncio.Task[None]) -> None:

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vega.cache import ResponseCache, cache_key, models_to_cache
+from vega.channel.client import SideRedis
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.httpio import (
@@ -38,13 +38,13 @@ from vega.httpio import (
     parse_priority,
     read_body,
 )
-from vega.idempotency import Idempotency, Reply, fingerprint
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from vega.models import ModelAdapter
-from vega.oip import oip_routes
+from vega.oip.routes import oip_routes
+from vega.pressure.cache import ResponseCache, cache_key, models_to_cache
+from vega.pressure.idempotency import Idempotency, Reply, fingerprint
 from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME
 from vega.runtime import ClientGone, Runtime
-from vega.sideredis import SideRedis
 
 log = logging.getLogger("vega.server")
 

@@ -5,7 +5,7 @@ batch here; when the local wait is long, peers are alive and the deadline allows
 the batch goes to ``vega:{model}:overflow`` and its futures wait in ``_pending`` (put
 there before the XADD). Idle peers read the stream through the ``workers`` group, run
 the batch and answer on ``vega:reply:<origin>``, which one task here reads (the
-thief's side is vega/steal.py). The origin owns the timeout: a batch not answered in
+thief's side is vega/channel/steal.py). The origin owns the timeout: a batch not answered in
 time is taken back and run locally, or failed with 504. Redis away means everything
 runs locally until it is back. This module holds the connection, the origin's side and
 the heartbeats.
@@ -28,9 +28,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from vega.batcher import Batcher
-from vega.config import Settings
-from vega.errors import VegaError
-from vega.keys import (
+from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
     NODES,
@@ -39,11 +37,8 @@ from vega.keys import (
     overflow_key,
     reply_key,
 )
-from vega.metrics import Metrics
-from vega.models import ModelAdapter
-from vega.records import PRIORITY_NAMES, Batch
-from vega.steal import CONNECTION_ERRORS, Thief
-from vega.wire import (
+from vega.channel.steal import CONNECTION_ERRORS, Thief
+from vega.channel.wire import (
     Overflow,
     Reply,
     WireError,
@@ -52,6 +47,11 @@ from vega.wire import (
     encode_overflow,
     wall_ms,
 )
+from vega.config import Settings
+from vega.errors import VegaError
+from vega.metrics import Metrics
+from vega.models import ModelAdapter
+from vega.records import PRIORITY_NAMES, Batch
 
 log = logging.getLogger("vega.streams")
 

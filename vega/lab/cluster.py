@@ -23,7 +23,7 @@ from pathlib import Path
 
 from vega.config import ConfigError, load_settings
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "nginx.conf"
+TEMPLATE = Path(__file__).resolve().parent / "nginx.conf"  # the repository's nginx.conf links here
 
 
 def render_nginx(upstreams: Sequence[str], listen: str, prefix: Path, *,

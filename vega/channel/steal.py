@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis import exceptions as rexc
 
-from vega.errors import VegaError
-from vega.keys import (
+from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
     REPLY_TTL_MS,
@@ -27,8 +26,7 @@ from vega.keys import (
     overflow_key,
     reply_key,
 )
-from vega.records import NORMAL, Batch, Item
-from vega.wire import (
+from vega.channel.wire import (
     Overflow,
     Reply,
     WireError,
@@ -37,6 +35,8 @@ from vega.wire import (
     encode_reply,
     wall_ms,
 )
+from vega.errors import VegaError
+from vega.records import NORMAL, Batch, Item
 
 if TYPE_CHECKING:
     from vega.streams import Streams

@@ -8,7 +8,7 @@ model gives for its (padded length, size) and then has its futures resolved as
 batch times and service rate move as they do in a real process. Requests follow
 ``Runtime.infer``: admit, build the item, enqueue, wait until answered or until
 the deadline, then give the item up. Arrivals are the load generator's own
-(``vega.traffic``), and the report and plots are ``vega.report``'s.
+(``vega.lab.traffic``), and the report and plots are ``vega.lab.report``'s.
 
 Several processes (``--processes N``) share arrivals as Nginx ``least_conn`` would
 (fewest open requests, ties in turn), or all go to the first (``--to-first``). With
@@ -38,15 +38,15 @@ from typing import Any
 
 import numpy as np
 
-from vega import simclock
-from vega.admission import Admission
-from vega.batcher import Batcher
+from vega.admission import Admission, AdmissionConfig
+from vega.batcher import Batcher, BatcherConfig
 from vega.config import ConfigError, Settings, load_settings
 from vega.errors import STATUS_BY_CODE, VegaError
-from vega.profile import LatencyModel
+from vega.lab import simclock
+from vega.lab.profile import LatencyModel
 from vega.records import PRIORITY_NAMES, Batch, Item
-from vega.runtime import admission_config, batcher_config, planned, seed_batch_times
 from vega.streams import PENDING_PER_SPARE
+from vega.warmup import planned, seed_batch_times
 
 EXIT_CONFIG = 2
 
@@ -138,9 +138,9 @@ class SimProcess:
         loop = asyncio.get_running_loop()
         self.loop = loop
         model = latency.model or "model"
-        self.batcher = Batcher(batcher_config(settings, model, latency.max_length,
+        self.batcher = Batcher(BatcherConfig.from_settings(settings, model, latency.max_length,
                                               hands_off=overflow is not None), self._sink)
-        self.admission = Admission(admission_config(settings), self.batcher, loop.time())
+        self.admission = Admission(AdmissionConfig.from_settings(settings), self.batcher, loop.time())
         self.free_at = [loop.time()] * settings.executor_threads  # per executor thread
         self.open = 0  # admitted requests not yet answered (least_conn counts these)
         self.batches = 0
@@ -155,7 +155,7 @@ class SimProcess:
         self._warm_up()
         self.batcher = planned(self.batcher, self.settings)
         reach = SimReach(self, self.overflow) if self.overflow is not None else None
-        self.admission = Admission(admission_config(self.settings), self.batcher,
+        self.admission = Admission(AdmissionConfig.from_settings(self.settings), self.batcher,
                                    self.loop.time(), reach=reach)
         self.task = asyncio.create_task(self.batcher.run(), name=f"sim-batcher-{self.index}")
 
@@ -425,13 +425,13 @@ def _process_summary(proc: SimProcess) -> dict[str, Any]:
             "service_rate_items_per_s": round(proc.batcher.rate.items_per_s, 1)}
 
 
-# -- the report: vega.report's, as the load generator writes it ---------------------
+# -- the report: vega.lab.report's, as the load generator writes it ---------------------
 
 def build(result: SimResult, options: SimOptions,
           meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The load generator's report (``vega.report.build_report``) for a simulated run."""
+    """The load generator's report (``vega.lab.report.build_report``) for a simulated run."""
+    from vega.lab.report import Record, Tally, auto_bin_s, build_report, distribution
     from vega.metrics import RATIO_BUCKETS, SIZE_BUCKETS
-    from vega.report import Record, Tally, auto_bin_s, build_report, distribution
 
     requests = result.requests
     duration_s = max(result.virtual_s, 1e-9)
@@ -480,7 +480,7 @@ TRAFFIC_OPTIONS = ("spec", "profile", "process", "rate", "duration_s", "requests
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from vega.traffic import BY_NAME, parse_bool
+    from vega.lab.traffic import BY_NAME, parse_bool
 
     parser.add_argument("--latency", required=True, metavar="FILE",
                         help="latency profile written by `vega profile`")
@@ -518,9 +518,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vega import traffic
-    from vega.report import format_summary, write_json, write_plots
-    from vega.traffic import parse_deadlines, resolve
+    from vega.lab import traffic
+    from vega.lab.report import format_summary, write_json, write_plots
+    from vega.lab.traffic import parse_deadlines, resolve
 
     try:
         traffic_options = resolve(vars(args))

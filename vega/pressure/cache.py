@@ -23,12 +23,12 @@ from typing import Any
 
 import orjson
 
+from vega.channel.client import SideRedis, Unavailable
 from vega.config import Settings
 from vega.metrics import Metrics
 from vega.models import ModelAdapter
-from vega.sideredis import SideRedis, Unavailable
 
-log = logging.getLogger("vega.cache")
+log = logging.getLogger("vega.pressure.cache")
 
 ENTRY_OVERHEAD = 100  # bytes charged per entry besides key and value (dict, node, object)
 

@@ -43,6 +43,7 @@ Interface
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -50,7 +51,9 @@ from typing import Any, NamedTuple, TypedDict
 
 import orjson
 
-from vega.hdr import Histogram
+from vega.lab.hdr import Histogram
+
+log = logging.getLogger("vega.lab.report")
 
 PRIORITIES = ("critical", "normal", "sheddable")
 NO_ANSWER = ("unsent", "timeout", "connection")
@@ -383,8 +386,13 @@ def _outcome_color(label: str, index: int) -> str:
 
 
 def write_plots(report: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
-    """PNG plots of ``report`` into ``out_dir``; returns the files written."""
-    from matplotlib.figure import Figure
+    """PNG plots of ``report`` into ``out_dir``; returns the files written (none, with a
+    warning, where matplotlib, the ``plots`` extra, is not installed)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        log.warning("plots skipped: matplotlib is not installed (pip install 'vega[plots]')")
+        return []
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """``vega bench`` / ``scripts/bench``: an open- and closed-loop load generator for /v1/infer.
 
-Open loop: requests go out at the times the traffic profile says (``vega.traffic``),
+Open loop: requests go out at the times the traffic profile says (``vega.lab.traffic``),
 never waiting for answers; latency is counted from each request's *scheduled* send
 time, so a slow server cannot hide its latency by slowing the generator down
 (coordinated omission). A request due while every connection is busy waits in a
@@ -13,10 +13,10 @@ installed): keep-alive connections, request bytes encoded once per (length,
 class), responses parsed by Content-Length, error bodies decoded only for
 non-200s. During the run it polls GET /v1/status for queue depth and reads
 /metrics before and after for the batch histograms; at the end it writes
-report.json and PNG plots (``vega.report``) and prints a summary.
+report.json and PNG plots (``vega.lab.report``) and prints a summary.
 
 ``configure(parser)`` adds the options, ``run(args)`` runs one bench (exit 0; 1 when
-nothing was answered; 2 for bad options). ``python -m vega.loadgen --help``.
+nothing was answered; 2 for bad options). ``python -m vega.lab.loadgen --help``.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from urllib.parse import urlsplit
 import numpy as np
 import orjson
 
-from vega import report as rep
-from vega import traffic
-from vega.traffic import (
+from vega.lab import report as rep
+from vega.lab import traffic
+from vega.lab.traffic import (
     OPTIONS,
     PRIORITIES,
     TrafficError,

@@ -31,9 +31,9 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
+from vega.channel.client import SideRedis, Unavailable
 from vega.errors import VegaError, invalid_input
 from vega.metrics import Metrics
-from vega.sideredis import SideRedis, Unavailable
 
 KEY_PATTERN = re.compile(r'"?([\x21\x23-\x7e]{1,255})"?')  # sf-string content, quotes optional
 REMEMBERED = frozenset({200, 404, 422})  # answers that a retry of the same body would get again

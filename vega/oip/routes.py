@@ -42,7 +42,7 @@ from vega.httpio import (
     read_body,
 )
 from vega.models import ModelAdapter, TensorSpec
-from vega.oip_binary import (
+from vega.oip.binary import (
     as_datatype,
     check_datatype,
     decompress,
@@ -52,7 +52,7 @@ from vega.oip_binary import (
     to_binary,
     to_json,
 )
-from vega.oip_stats import model_stats
+from vega.oip.stats import model_stats
 from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES, SHEDDABLE
 from vega.runtime import Answer, ClientGone, Runtime
 

@@ -1,0 +1,2 @@
+"""The Redis side channel's parts below ``vega.streams``: key layout, wire format, the
+client factory, and the thief that runs peers' batches."""
