@@ -37,13 +37,13 @@ def test_lru_stays_within_its_byte_bound_and_evicts_least_recent() -> None:
 
 
 def test_keys_are_canonical_and_separate_models_versions_and_shapes() -> None:
-    a = cache_key("m", "1", False, [{"x": 1, "y": [1.5, 2]}])
-    assert a == cache_key("m", "1", False, [{"y": [1.5, 2], "x": 1}])
+    a = cache_key("m", "1", "n", [{"x": 1, "y": [1.5, 2]}])
+    assert a == cache_key("m", "1", "n", [{"y": [1.5, 2], "x": 1}])
     assert a.startswith("vega:{m}:cache:")
-    others = {cache_key("m", "2", False, [{"x": 1, "y": [1.5, 2]}]),
-              cache_key("n", "1", False, [{"x": 1, "y": [1.5, 2]}]),
-              cache_key("m", "1", True, [{"x": 1, "y": [1.5, 2]}]),
-              cache_key("m", "1", False, [{"x": 2, "y": [1.5, 2]}])}
+    others = {cache_key("m", "2", "n", [{"x": 1, "y": [1.5, 2]}]),
+              cache_key("n", "1", "n", [{"x": 1, "y": [1.5, 2]}]),
+              cache_key("m", "1", "1", [{"x": 1, "y": [1.5, 2]}]),
+              cache_key("m", "1", "n", [{"x": 2, "y": [1.5, 2]}])}
     assert a not in others and len(others) == 4
 
 

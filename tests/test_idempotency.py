@@ -13,9 +13,10 @@ import pytest
 from tests.infra import RedisServer
 from tests.models import forwarded, window
 from tests.servers import VegaProcess
+from vega.calls import Reply
 from vega.errors import VegaError
 from vega.metrics import Metrics
-from vega.pressure.idempotency import Idempotency, Reply, fingerprint
+from vega.pressure.idempotency import Idempotency, fingerprint
 
 ECHO = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_LENGTH_BUCKETS": "16"}
 OK = Reply(200, b'{"outputs":[1]}', {}, "ok")

@@ -15,6 +15,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "shed": 429,
     "deadline_unmeetable": 429,
     "model_error": 500,
+    "internal_error": 500,
     "not_ready": 503,
     "draining": 503,
     "deadline_exceeded": 504,

@@ -1,13 +1,11 @@
 """Reading requests and writing answers, shared by the /v1 and /v2 routes.
 
 Size-limited body reading, JSON parsing, the priority and deadline rules, the error
-response, the hang-up check, and concluding every answer: counted by outcome, a
-refusal held to its pace.
+response and the hang-up check. Nothing here knows the runtime.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +16,8 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from vega.config import Settings
-from vega.errors import REFUSALS, VegaError
+from vega.errors import VegaError
 from vega.records import NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
-from vega.runtime import Runtime
 
 JSON = "application/json"
 
@@ -95,28 +92,3 @@ def hung_up(receive: Receive) -> Callable[[], bool] | None:
     if not isinstance(getattr(cycle, "disconnected", None), bool):
         return None
     return lambda: bool(cycle.disconnected)
-
-
-async def conclude(runtime: Runtime, model: str, priority: int, outcome: str,
-                   started: float) -> None:
-    """Count one answer (a 200 with its time since ``started``), then hold it if it is a
-    refusal past VEGA_REFUSAL_RATE, until its turn (vega/pressure/pacing.py).
-
-    Handlers call this once the frame that read and parsed the request has returned, so
-    a held refusal keeps nothing of its request alive: under a 1024-connection flood
-    ~400 refusals are held at once, and their parsed bodies were a third of the objects
-    every garbage collection scanned (tens of ms each, holding the GIL).
-    """
-    loop = asyncio.get_running_loop()
-    metrics = runtime.metrics
-    model = model if model in runtime.models else "_unknown"
-    label = PRIORITY_NAMES[priority]
-    metrics.requests.labels(model, label, outcome).inc()
-    if outcome in REFUSALS:
-        metrics.rejections.labels(model, label, outcome).inc()
-    if outcome == "ok":
-        metrics.request_seconds.labels(model).observe(loop.time() - started)
-    hold = runtime.pacer.hold(outcome, loop.time())
-    if hold > 0:
-        metrics.paced.labels(model).inc()
-        await asyncio.sleep(hold)

@@ -227,21 +227,28 @@ class Runtime:
             why = "is still warming up" if not self._warm else "has its model process restarting"
             raise VegaError("not_ready", f"this process {why}", retry_after_ms=1000.0)
 
-    async def infer(self, model: str | None, instances: list[Any], priority: int,
+    def gate(self, model: str, claimed: int | None) -> None:
+        """The checks before a request's body is read: open, the model known, and room for
+        the most favoured class it can claim, if given (unless a fallback may take it)."""
+        self.check_open()
+        served = self.served(model)
+        if claimed is not None and self.fallback_for(served, claimed) is None:
+            served.admission.precheck(claimed)
+
+    async def infer(self, model: str, instances: list[Any], priority: int,
                     deadline_ms: float,
                     gone: Callable[[], bool] | None = None) -> Answer:
-        """Admit, queue and await ``instances``; raise VegaError or ClientGone.
+        """Admit, queue and await ``instances`` of a model past ``gate``; raise VegaError
+        or ClientGone.
 
         The list is taken over: it is emptied once its instances are decoded. What a JSON
         body parses into (a list per timestep, tracked by the garbage collector) then dies
         before the wait instead of living, and being rescanned, for the whole queue time.
-        Collections hold the GIL that the model thread needs after each forward pass.
-        Measured over 11-s runs: collector time 1.6-2.1 s -> 0.6-0.9 s at 1024 connections
-        (longest pause 56-102 -> 38-60 ms), 0.6-0.7 -> 0.2 s at 64. Callers keep no other
-        reference to the parsed body while they wait.
+        Collections hold the GIL that the model thread needs after each forward pass
+        (docs/tuning.md has the figures). Callers keep no other reference to the parsed
+        body while they wait.
         """
-        self.check_open()
-        asked = self.served(model)
+        asked = self.models[model]
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadline = now + deadline_ms / 1000
@@ -407,9 +414,7 @@ def _as_vega_error(error: BaseException | None) -> VegaError:
 
     Raising the held one would hang this request's frames on its traceback, and the
     frames hold the items, whose futures hold it: a cycle per refused request that only
-    the collector frees, after it has reached the oldest generation. Measured over 11-s
-    runs at 1024 connections: 45-66k such objects a run (~22 per shed request) -> none;
-    the longest full collection 27-58 -> 25-37 ms.
+    the collector frees, after it has reached the oldest generation.
     """
     if isinstance(error, VegaError):
         return VegaError(error.code, error.message, error.retry_after_ms)

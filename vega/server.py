@@ -1,20 +1,18 @@
 """HTTP: Starlette routes for ``/v1``, health, status and metrics; errors as DESIGN.md says.
 
 A request is read (size-limited while reading), parsed with orjson, and handed to
-the runtime, which admits, queues and awaits it. Every VegaError becomes its error
-body and status here, in one place.
+the request stack (vega.stack): idempotency, cache, then the runtime, which admits,
+queues and awaits it. ``V1`` is this API's dialect: its bodies and its error shape.
 
-Inference POSTs reach their handler past Starlette's router (``HotRoutes``): it
-is the one hot path, and the router's layers were a fifth of its loop time.
+Inference POSTs reach their guard past Starlette's router (``HotRoutes``): it is the
+one hot path, and the router's layers were a fifth of its loop time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -24,27 +22,24 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vega.calls import Call, Handler, Reply
 from vega.channel.client import SideRedis
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.httpio import (
-    JSON,
-    conclude,
     error_response,
-    hung_up,
     json_response,
     parse_deadline_ms,
     parse_json,
     parse_priority,
-    read_body,
 )
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from vega.models import ModelAdapter
-from vega.oip.routes import oip_routes
-from vega.pressure.cache import ResponseCache, cache_key, models_to_cache
-from vega.pressure.idempotency import Idempotency, Reply, fingerprint
-from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME
-from vega.runtime import ClientGone, Runtime
+from vega.oip.routes import OipApi
+from vega.pressure.cache import ResponseCache, models_to_cache
+from vega.pressure.idempotency import Idempotency, fingerprint
+from vega.runtime import Answer, Runtime
+from vega.stack import Guard, cached, core, idempotent
 
 log = logging.getLogger("vega.server")
 
@@ -73,143 +68,50 @@ def parse_infer_body(doc: Any, request: Request, settings: Settings
     return instances, single, priority, deadline_ms
 
 
-@dataclass(frozen=True)
-class Call:
-    """One parsed /v1 inference request."""
+class V1:
+    """The ``/v1`` dialect: Vega's own JSON bodies and error shape (DESIGN.md)."""
 
-    request: Request
-    model: str
-    instances: list[Any]
-    single: bool
-    priority: int
-    deadline_ms: float
-
-
-class Api:
-    """The /v1 routes over one runtime; counts every answer by outcome."""
+    refuses_unread = True
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.settings = s = runtime.settings
-        metrics = runtime.metrics
-        # Pressure relief (docs/pressure.md): one Redis client for the shared tiers.
-        shared = s.redis_url and (s.idempotency_ttl_s > 0 or s.cache_redis_ttl_s > 0)
-        self.side = SideRedis(s.redis_url, s.redis_timeout_ms / 1000) if shared else None
-        cached = models_to_cache(s, runtime.executor.models)
-        self.cache = ResponseCache(s.cache_bytes, cached, metrics, self.side,
-                                   s.cache_redis_ttl_s) if cached else None
-        self.idempotency = Idempotency(s.idempotency_ttl_s, s.idempotency_max_keys, metrics,
-                                       self.side)
+        self.settings = runtime.settings
 
-    async def close(self) -> None:
-        if self.cache is not None:
-            await self.cache.close()
-        if self.side is not None:
-            await self.side.close()
+    def model(self, request: Request) -> str:
+        return str(request.path_params.get("name") or self.runtime.default_model)
 
-    async def infer(self, request: Request) -> Response:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        name = request.path_params.get("name") or self.runtime.default_model
-        reply, priority = await self.reply(request, name)  # the body goes with its frame
-        await conclude(self.runtime, name, priority, reply.outcome, started)
-        return Response(reply.body, reply.status, headers=reply.headers,
-                        media_type=JSON if reply.body else None)
-
-    async def reply(self, request: Request, name: str) -> tuple[Reply, int]:
-        """The reply to one /v1 inference request, and the priority it was taken at."""
-        runtime = self.runtime
-        priority = NORMAL
-        try:
-            runtime.check_open()
-            # Refuse before reading the body when even the most favoured class this
-            # request can claim would not get in: a flood of refusals stays cheap.
-            hinted = request.headers.get("x-vega-priority")
-            claimed = PRIORITY_BY_NAME.get(hinted.strip().lower(), CRITICAL) if hinted else CRITICAL
-            served = runtime.served(name)
-            if runtime.fallback_for(served, claimed) is None:  # else the fallback may take it
-                served.admission.precheck(claimed)
-            key = self.idempotency.key_of(request.headers.get("idempotency-key"))
-            call, body_print = self.parse(request, name, await read_body(
-                request, self.settings.max_body_bytes), keyed=key is not None)
-            priority = call.priority
-            if key is None:
-                reply = await self.answer(call)
-            else:
-                reply = await self.answer_once(call, key, body_print)
-        except VegaError as error:
-            reply = self.refusal(request, error)
-        return reply, priority
-
-    def parse(self, request: Request, name: str, body: bytes,
-              keyed: bool) -> tuple[Call, str]:
-        """The call a /v1 body makes, and the body's fingerprint if ``keyed`` (idempotent).
+    def parse(self, request: Request, model: str, body: bytes, keyed: bool) -> Call:
+        """The call a /v1 body makes, fingerprinted when ``keyed`` (idempotent).
 
         The parsed document ends here: the runtime empties ``call.instances`` once it
         has decoded them, and no frame that waits may still hold the rest of it.
         """
         doc = parse_json(body)
         instances, single, priority, deadline_ms = parse_infer_body(doc, request, self.settings)
-        return (Call(request, name, instances, single, priority, deadline_ms),
-                fingerprint(doc) if keyed else "")
+        return Call(request, self, model, instances, priority, deadline_ms,
+                    variant="1" if single else "n",
+                    fingerprint=fingerprint(doc) if keyed else "", context=single)
 
-    async def answer(self, call: Call) -> Reply:
-        """Run ``call`` through the cache and the runtime; every outcome as a Reply."""
-        cache = self.cache if self.cache is not None and self.cache.covers(call.model) else None
-        control = set() if cache is None else {
-            part.strip() for part in call.request.headers.get("cache-control", "").lower().split(",")}
-        key = None
-        if cache is not None and "no-store" not in control:
-            version = self.runtime.models[call.model].adapter.version
-            key = cache_key(call.model, version, call.single, call.instances)
-            if "no-cache" not in control:
-                cached = await cache.get(call.model, key)
-                if cached is not None:
-                    return Reply(200, cached, {"X-Vega-Cache": "hit"}, "ok")
-        try:
-            answer = await self.runtime.infer(call.model, call.instances, call.priority,
-                                              call.deadline_ms,
-                                              hung_up(call.request.receive))
-        except VegaError as error:
-            return self.refusal(call.request, error)
-        except ClientGone:
-            return Reply(499, b"", {}, "disconnected")
-        outputs = answer.outputs[0] if call.single else answer.outputs
+    def render(self, call: Call, answer: Answer) -> Reply:
+        outputs = answer.outputs[0] if call.context else answer.outputs
         body = orjson.dumps({"model": answer.model or call.model, "outputs": outputs},
                             option=orjson.OPT_SERIALIZE_NUMPY)
         headers = {"Server-Timing": f"queue;dur={1000 * answer.queue_s:.2f}, "
                                     f"infer;dur={1000 * answer.infer_s:.2f}"}
         if answer.degraded:
-            headers["X-Vega-Degraded"] = "1"  # not cached: the main model would answer otherwise
-        elif cache is not None and key is not None:
-            cache.put(call.model, key, body)
-        if cache is not None:
-            headers["X-Vega-Cache"] = "miss" if "no-cache" not in control else "bypass"
+            headers["X-Vega-Degraded"] = "1"
         return Reply(200, body, headers, "ok")
 
-    async def answer_once(self, call: Call, key: str, body_print: str) -> Reply:
-        """As ``answer``, but a repeat of ``key`` gets the first attempt's reply."""
-        deadline = asyncio.get_running_loop().time() + call.deadline_ms / 1000
-        claim = await self.idempotency.claim(call.model, key, body_print, deadline)
-        if claim.replay is not None:
-            first = claim.replay
-            return Reply(first.status, first.body,
-                         first.headers | {"Idempotent-Replayed": "true"}, first.outcome)
-        reply: Reply | None = None
-        try:
-            reply = await self.answer(call)
-        finally:
-            kept = None if reply is None else Reply(
-                reply.status, reply.body,
-                {k: v for k, v in reply.headers.items() if k != "Server-Timing"}, reply.outcome)
-            await self.idempotency.finish(claim, kept)
-        return reply
-
-    def refusal(self, request: Request, error: VegaError) -> Reply:
-        if error.status >= 500:
-            log.warning("request %s: %s %s", request.scope.get("vega.request_id"),
-                        error.code, error.message)
+    def refusal(self, error: VegaError) -> Reply:
         return Reply(error.status, orjson.dumps(error.body()), error.headers(), error.code)
+
+
+class Api:
+    """The /v1 routes besides inference: health, readiness, models, status, metrics."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.settings = runtime.settings
 
     async def healthz(self, request: Request) -> Response:
         return json_response({"status": "ok"})
@@ -234,6 +136,33 @@ class Api:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+class Relief:
+    """The "do less work" tiers of the stack (docs/pressure.md), and their one Redis client."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        s = runtime.settings
+        shared = s.redis_url and (s.idempotency_ttl_s > 0 or s.cache_redis_ttl_s > 0)
+        self.side = SideRedis(s.redis_url, s.redis_timeout_ms / 1000) if shared else None
+        models = models_to_cache(s, runtime.executor.models)
+        self.cache = ResponseCache(s.cache_bytes, models, runtime.metrics, self.side,
+                                   s.cache_redis_ttl_s) if models else None
+        self.idempotency = Idempotency(s.idempotency_ttl_s, s.idempotency_max_keys,
+                                       runtime.metrics, self.side)
+
+    def around(self, runtime: Runtime) -> Handler:
+        return idempotent(self.idempotency, cached(self.cache, runtime, core(runtime)))
+
+    def check_headers(self, request: Request) -> None:
+        """What is refused before the body is read: a malformed Idempotency-Key."""
+        self.idempotency.key_of(request.headers.get("idempotency-key"))
+
+    async def close(self) -> None:
+        if self.cache is not None:
+            await self.cache.close()
+        if self.side is not None:
+            await self.side.close()
+
+
 def describe(adapter: ModelAdapter, settings: Settings) -> dict[str, Any]:
     return {
         "name": adapter.name, "version": adapter.version, "max_length": adapter.max_length,
@@ -250,6 +179,8 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
     """The ASGI app and the runtime it serves; the app's lifespan starts (warm-up) and stops it."""
     runtime = runtime or Runtime(settings, adapters)
     api = Api(runtime)
+    relief = Relief(runtime)
+    stack = relief.around(runtime)  # one stack, every protocol
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -258,49 +189,51 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
             yield
         finally:
             await runtime.stop()
-            await api.close()
+            await relief.close()
 
-    hot = [Route("/v1/infer", api.infer, methods=["POST"]),
-           Route("/v1/models/{name}/infer", api.infer, methods=["POST"])]
+    v1 = Guard(runtime, V1(runtime), stack, [relief.check_headers])
+    oip = OipApi(runtime)
+    v2 = Guard(runtime, oip, stack, [relief.check_headers])
+    hot = [(Route("/v1/infer", v1, methods=["POST"]), v1),
+           (Route("/v1/models/{name}/infer", v1, methods=["POST"]), v1),
+           *((route, v2) for route in oip.infer_routes(v2))]
     routes = [
-        *hot,
+        *(route for route, _ in hot),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/status", api.status, methods=["GET"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        *oip.routes(),
     ]
-    routes += oip_routes(runtime)
-    app: ASGIApp = HotRoutes(Starlette(routes=routes, lifespan=lifespan), hot, api.infer)
+    app: ASGIApp = HotRoutes(Starlette(routes=routes, lifespan=lifespan), hot)
     app = BearerAuthMiddleware(app, tokens=settings.auth_tokens.split(","),
                                open_paths=[p.strip() for p in settings.auth_open_paths.split(",")])
     return RequestIdMiddleware(app), runtime
 
 
 class HotRoutes:
-    """POSTs to the /v1 inference routes go straight to their handler.
+    """POSTs to the inference routes go straight to their guard.
 
     Starlette's router, request/response wrapping and two exception layers took about
-    a fifth of an inference request's event-loop time (loop CPU per request with wrk at
-    64 connections: 312 us through them, 230-277 us past them). The handler answers
-    every error itself, so skipping them loses nothing. The routes match as they do in
+    a fifth of an inference request's event-loop time. The guard answers every error
+    itself (vega.stack), so skipping them loses nothing. The routes match as they do in
     the router (the same Route objects); anything else, including these paths with
     another method, and the lifespan, goes to the Starlette app.
     """
 
-    def __init__(self, app: ASGIApp, routes: list[Route],
-                 handler: Callable[[Request], Awaitable[Response]]) -> None:
+    def __init__(self, app: ASGIApp,
+                 routes: Sequence[tuple[Route, Callable[[Request], Awaitable[Response]]]]) -> None:
         self.app = app
         self.routes = routes
-        self.handler = handler
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            for route in self.routes:
+            for route, handler in self.routes:
                 match, child_scope = route.matches(scope)
                 if match is Match.FULL:
                     scope.update(child_scope)
-                    response = await self.handler(Request(scope, receive, send))
+                    response = await handler(Request(scope, receive, send))
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)

@@ -17,8 +17,8 @@ string names a Vega class; ``parameters.timeout`` is microseconds and
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,17 +29,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import vega
+from vega.calls import Call, Reply
 from vega.config import Settings
 from vega.errors import VegaError, invalid_input
 from vega.httpio import (
     JSON,
-    conclude,
-    hung_up,
     json_response,
     parse_deadline_ms,
     parse_json,
     parse_priority,
-    read_body,
 )
 from vega.models import ModelAdapter, TensorSpec
 from vega.oip.binary import (
@@ -54,7 +52,7 @@ from vega.oip.binary import (
 )
 from vega.oip.stats import model_stats
 from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES, SHEDDABLE
-from vega.runtime import Answer, ClientGone, Runtime
+from vega.runtime import Answer, Runtime
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "schedule_policy", "statistics")
@@ -63,29 +61,15 @@ UNSUPPORTED_PARAMETERS = ("sequence_id", "shared_memory_region", "classification
 CONFIG_TYPES = {"BYTES": "TYPE_STRING"}  # the model config's names: TYPE_ + datatype else
 
 
-def oip_routes(runtime: Runtime) -> list[Route]:
-    """The v2 routes over ``runtime``, the same admission and batching path as /v1."""
-    oip = OipApi(runtime)
-    routes = [
-        Route("/v2", oip.server_metadata, methods=["GET"]),
-        Route("/v2/health/live", oip.live, methods=["GET"]),
-        Route("/v2/health/ready", oip.ready, methods=["GET"]),
-        Route("/v2/models/stats", oip.stats, methods=["GET"]),  # before /v2/models/{name}
-    ]
-    for model in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        routes += [
-            Route(model, oip.model_metadata, methods=["GET"]),
-            Route(model + "/ready", oip.model_ready, methods=["GET"]),
-            Route(model + "/config", oip.model_config, methods=["GET"]),
-            Route(model + "/stats", oip.stats, methods=["GET"]),
-            Route(model + "/infer", oip.infer, methods=["POST"]),
-        ]
-    return routes
+MODEL_PATHS = ("/v2/models/{name}", "/v2/models/{name}/versions/{version}")
+
+
+def error_body(error: VegaError) -> bytes:
+    return orjson.dumps({"error": f"{error.code}: {error.message}"})
 
 
 def error_response(error: VegaError) -> Response:
-    return json_response({"error": f"{error.code}: {error.message}"}, error.status,
-                         error.headers())
+    return Response(error_body(error), error.status, error.headers(), media_type=JSON)
 
 
 @dataclass
@@ -98,9 +82,58 @@ class InferRequest:
 
 
 class OipApi:
+    """The v2 routes over a runtime, and the protocol's dialect for the request stack."""
+
+    refuses_unread = False
+
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.settings: Settings = runtime.settings
+
+    def routes(self) -> list[Route]:
+        """Every v2 route but inference (``infer_routes``)."""
+        routes = [
+            Route("/v2", self.server_metadata, methods=["GET"]),
+            Route("/v2/health/live", self.live, methods=["GET"]),
+            Route("/v2/health/ready", self.ready, methods=["GET"]),
+            Route("/v2/models/stats", self.stats, methods=["GET"]),  # before /v2/models/{name}
+        ]
+        for model in MODEL_PATHS:
+            routes += [
+                Route(model, self.model_metadata, methods=["GET"]),
+                Route(model + "/ready", self.model_ready, methods=["GET"]),
+                Route(model + "/config", self.model_config, methods=["GET"]),
+                Route(model + "/stats", self.stats, methods=["GET"]),
+            ]
+        return routes
+
+    @staticmethod
+    def infer_routes(endpoint: Callable[[Request], Awaitable[Response]]) -> list[Route]:
+        return [Route(model + "/infer", endpoint, methods=["POST"]) for model in MODEL_PATHS]
+
+    # -- the dialect (vega.calls.Dialect) --------------------------------------------
+
+    def model(self, request: Request) -> str:
+        return self._adapter(request).name
+
+    def parse(self, request: Request, model: str, body: bytes, keyed: bool) -> Call:
+        limit = self.settings.max_body_bytes
+        body = decompress(body, request.headers.get("content-encoding"), limit)
+        adapter = self.runtime.models[model].adapter
+        parsed = parse_request(body, request.headers, adapter, self.settings)
+        variant = orjson.dumps([parsed.id, [(spec.name, binary) for spec, binary in parsed.outputs]])
+        return Call(request, self, model, parsed.instances, parsed.priority, parsed.deadline_ms,
+                    variant=variant.decode(),
+                    fingerprint=hashlib.blake2b(body, digest_size=16).hexdigest() if keyed else "",
+                    context=parsed)
+
+    def render(self, call: Call, answer: Answer) -> Reply:
+        return infer_reply(answer, call.context, self.runtime.models[call.model].adapter)
+
+    def refusal(self, error: VegaError) -> Reply:
+        return Reply(error.status, error_body(error), error.headers(), error.code)
+
+    # -- the other routes --------------------------------------------------------------
 
     async def server_metadata(self, request: Request) -> Response:
         return json_response({"name": "vega", "version": vega.__version__,
@@ -169,34 +202,6 @@ class OipApi:
             return error_response(error)
         return json_response({"model_stats": [model_stats(self.runtime.metrics, adapter)
                                               for adapter in adapters]})
-
-    async def infer(self, request: Request) -> Response:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        name = request.path_params["name"]
-        response, priority, outcome = await self._respond(request, name)
-        await conclude(self.runtime, name, priority, outcome, started)  # body gone with _respond
-        return response
-
-    async def _respond(self, request: Request, name: str) -> tuple[Response, int, str]:
-        """The response to one inference request, its priority and its outcome."""
-        runtime = self.runtime
-        priority = NORMAL
-        try:
-            runtime.check_open()
-            adapter = self._adapter(request)
-            limit = self.settings.max_body_bytes
-            body = decompress(await read_body(request, limit),
-                              request.headers.get("content-encoding"), limit)
-            parsed = parse_request(body, request.headers, adapter, self.settings)
-            priority = parsed.priority
-            answer = await runtime.infer(name, parsed.instances, priority, parsed.deadline_ms,
-                                         hung_up(request.receive))
-            return infer_response(answer, parsed, adapter), priority, "ok"
-        except VegaError as error:
-            return error_response(error), priority, error.code
-        except ClientGone:
-            return Response(status_code=499), priority, "disconnected"
 
     def _adapter(self, request: Request) -> ModelAdapter:
         name = request.path_params["name"]
@@ -375,7 +380,7 @@ def _requested_outputs(requested: Any, params: Mapping[str, Any],
 # -- the response --------------------------------------------------------------------
 
 
-def infer_response(answer: Answer, request: InferRequest, adapter: ModelAdapter) -> Response:
+def infer_reply(answer: Answer, request: InferRequest, adapter: ModelAdapter) -> Reply:
     """Rows stacked back in order; binary outputs after the JSON header."""
     tensors: list[dict[str, Any]] = []
     blobs: list[bytes] = []
@@ -397,10 +402,9 @@ def infer_response(answer: Answer, request: InferRequest, adapter: ModelAdapter)
     headers = {"Server-Timing": f"queue;dur={1000 * answer.queue_s:.2f}, "
                                 f"infer;dur={1000 * answer.infer_s:.2f}"}
     if not blobs:
-        return Response(header, 200, headers, media_type=JSON)
+        return Reply(200, header, headers, "ok")
     headers[HEADER_LENGTH] = str(len(header))
-    return Response(b"".join([header, *blobs]), 200, headers,
-                    media_type="application/octet-stream")
+    return Reply(200, b"".join([header, *blobs]), headers, "ok", "application/octet-stream")
 
 
 def _stack(rows: list[Any], spec: TensorSpec, adapter: ModelAdapter) -> Any:

@@ -4,12 +4,12 @@ Two tiers. An in-process LRU bounded in bytes answers first; an optional shared 
 in Redis (``vega:{model}:cache:<digest>``, with a TTL) lets processes use each
 other's answers. A miss costs at most one Redis round trip, bounded by the client's
 socket timeout; the Redis write after a miss does not hold up the answer. What is
-stored is the exact response body, so a hit returns the same bytes.
+stored is the reply as sent (body and headers), so a hit returns the same bytes.
 
-The key is a digest of the model name, its version, whether the body used
-``inputs`` (one instance) or ``instances``, and the orjson re-serialisation of the
-parsed instances with sorted keys: bodies that differ only in whitespace or key
-order share an entry.
+The key is a digest of the model name, its version, how the protocol renders the
+answer (``/v1``: ``inputs`` or ``instances``; v2: the outputs asked for and the id),
+and the orjson re-serialisation of the parsed instances with sorted keys: bodies that
+differ only in whitespace or key order share an entry.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ log = logging.getLogger("vega.pressure.cache")
 ENTRY_OVERHEAD = 100  # bytes charged per entry besides key and value (dict, node, object)
 
 
-def cache_key(model: str, version: str, single: bool, instances: Any) -> str:
-    """The Redis-ready key of one request's answer (the model in a hash tag)."""
+def cache_key(model: str, version: str, variant: str, instances: Any) -> str:
+    """The Redis-ready key of one request's answer (the model in a hash tag); ``variant``
+    is how the protocol renders it (vega.calls.Call)."""
     digest = hashlib.blake2b(digest_size=20)
-    for part in (model.encode(), version.encode(), b"1" if single else b"n"):
+    for part in (model.encode(), version.encode(), variant.encode()):
         digest.update(len(part).to_bytes(4, "big") + part)
-    digest.update(orjson.dumps(instances, option=orjson.OPT_SORT_KEYS))
+    digest.update(orjson.dumps(instances,
+                               option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY))
     return f"vega:{{{model}}}:cache:{digest.hexdigest()}"
 
 

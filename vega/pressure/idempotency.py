@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
+from vega.calls import Reply
 from vega.channel.client import SideRedis, Unavailable
 from vega.errors import VegaError, invalid_input
 from vega.metrics import Metrics
@@ -44,25 +45,6 @@ _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
 """
-
-
-@dataclass
-class Reply:
-    """An answer as sent, kept to be sent again."""
-
-    status: int
-    body: bytes
-    headers: dict[str, str]
-    outcome: str  # what vega_requests_total counted it as
-
-    def encode(self) -> dict[str, Any]:
-        return {"status": self.status, "body": self.body.decode(), "headers": self.headers,
-                "outcome": self.outcome}
-
-    @classmethod
-    def decode(cls, doc: Any) -> Reply:
-        return cls(int(doc["status"]), str(doc["body"]).encode(),
-                   {str(k): str(v) for k, v in doc["headers"].items()}, str(doc["outcome"]))
 
 
 @dataclass(eq=False)

@@ -1,0 +1,92 @@
+"""What passes through the request stack (vega.stack): one parsed inference call and its reply.
+
+Each protocol is a ``Dialect`` (``/v1`` in vega.server, the Open Inference Protocol in
+vega.oip): it names the model a request is for, turns a body into a ``Call``, and writes
+answers and errors as ``Reply``s in its own shape. The layers between (idempotency, cache,
+the runtime) see only these, so they work the same for every protocol.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from starlette.requests import Request
+
+from vega.errors import VegaError
+
+if TYPE_CHECKING:
+    from vega.runtime import Answer
+
+
+@dataclass
+class Call:
+    """One inference request, parsed and validated by its protocol."""
+
+    request: Request
+    dialect: Dialect
+    model: str
+    instances: list[Any]  # emptied by the runtime once decoded
+    priority: int
+    deadline_ms: float
+    variant: str  # how the answer is rendered (part of the cache key): "1", "n", a v2 output request
+    fingerprint: str = ""  # of the body, when an Idempotency-Key names the call
+    context: Any = None  # what the protocol needs to render the answer
+
+
+@dataclass
+class Reply:
+    """An answer as sent, kept to be sent again (idempotency replays, cache hits)."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str]
+    outcome: str  # what vega_requests_total counted it as
+    media_type: str | None = "application/json"
+
+    def encode(self) -> dict[str, Any]:
+        try:
+            body = {"body": self.body.decode()}
+        except UnicodeDecodeError:  # the binary tensor extension
+            body = {"body_b64": base64.b64encode(self.body).decode()}
+        return {"status": self.status, **body, "headers": self.headers,
+                "outcome": self.outcome, "media_type": self.media_type}
+
+    @classmethod
+    def decode(cls, doc: Any) -> Reply:
+        body = (base64.b64decode(str(doc["body_b64"]), validate=True) if "body_b64" in doc
+                else str(doc["body"]).encode())
+        media = doc.get("media_type", "application/json")
+        return cls(int(doc["status"]), body,
+                   {str(k): str(v) for k, v in doc["headers"].items()}, str(doc["outcome"]),
+                   None if media is None else str(media))
+
+    def without(self, *names: str) -> Reply:
+        """This reply less the headers ``names`` (what only the first sending should carry)."""
+        drop = {name.lower() for name in names}
+        return Reply(self.status, self.body,
+                     {k: v for k, v in self.headers.items() if k.lower() not in drop},
+                     self.outcome, self.media_type)
+
+
+class Dialect(Protocol):
+    """How one API reads inference requests and writes their answers."""
+
+    # Refuse before the body is read when even the class a header may claim would not
+    # get in (/v1); v2 clients give the class only in the body, so v2 reads it first.
+    refuses_unread: bool
+
+    def model(self, request: Request) -> str:
+        """The model the request is for (404 for one, or a version, it does not have)."""
+
+    def parse(self, request: Request, model: str, body: bytes, keyed: bool) -> Call:
+        """The validated call; ``keyed``: an Idempotency-Key came, so fingerprint the body."""
+
+    def render(self, call: Call, answer: Answer) -> Reply: ...
+
+    def refusal(self, error: VegaError) -> Reply: ...
+
+
+Handler = Callable[[Call], Awaitable[Reply]]

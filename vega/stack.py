@@ -1,0 +1,171 @@
+"""One request stack for every inference route: ``Guard(idempotent(cached(core)))``.
+
+``create_app`` builds the layers once, as Starlette builds its middleware stack, and
+gives the same handler to ``/v1`` and to the Open Inference Protocol; each route's
+``Guard`` speaks its protocol (a ``vega.calls.Dialect``). The guard runs the runtime's
+checks once, before the body is read, and is the one place that turns an exception
+into an answer and counts every answer in ``vega_requests_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from vega.calls import Call, Dialect, Handler, Reply
+from vega.errors import REFUSALS, VegaError
+from vega.httpio import hung_up, read_body
+from vega.pressure.cache import ResponseCache, cache_key
+from vega.pressure.idempotency import Idempotency
+from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
+from vega.runtime import ClientGone, Runtime
+
+log = logging.getLogger("vega.stack")
+
+DISCONNECTED = Reply(499, b"", {}, "disconnected", None)
+
+
+def core(runtime: Runtime) -> Handler:
+    """The runtime's answer to a call, refusals included, in the call's protocol."""
+    async def run(call: Call) -> Reply:
+        try:
+            answer = await runtime.infer(call.model, call.instances, call.priority,
+                                         call.deadline_ms, hung_up(call.request.receive))
+        except VegaError as error:
+            return call.dialect.refusal(error)
+        except ClientGone:
+            return DISCONNECTED
+        return call.dialect.render(call, answer)
+    return run
+
+
+def cached(cache: ResponseCache | None, runtime: Runtime, inner: Handler) -> Handler:
+    """Answers already given, for the models that opted in (docs/pressure.md)."""
+    if cache is None:
+        return inner
+
+    async def lookup(call: Call) -> Reply:
+        if not cache.covers(call.model):
+            return await inner(call)
+        control = {part.strip() for part in
+                   call.request.headers.get("cache-control", "").lower().split(",")}
+        if "no-store" in control:
+            return await inner(call)
+        version = runtime.models[call.model].adapter.version
+        key = cache_key(call.model, version, call.variant, call.instances)  # before they go
+        if "no-cache" not in control:
+            stored = await cache.get(call.model, key)
+            if stored is not None:
+                hit = Reply.decode(orjson.loads(stored))
+                hit.headers["X-Vega-Cache"] = "hit"
+                return hit
+        reply = await inner(call)
+        if reply.status != 200:
+            return reply
+        if "X-Vega-Degraded" not in reply.headers:  # the main model would answer otherwise
+            cache.put(call.model, key, orjson.dumps(reply.without("Server-Timing").encode()))
+        reply.headers["X-Vega-Cache"] = "miss" if "no-cache" not in control else "bypass"
+        return reply
+    return lookup
+
+
+def idempotent(store: Idempotency, inner: Handler) -> Handler:
+    """A repeat of an ``Idempotency-Key`` gets the first attempt's reply; the model runs once."""
+    async def once(call: Call) -> Reply:
+        key = store.key_of(call.request.headers.get("idempotency-key"))
+        if key is None:
+            return await inner(call)
+        deadline = asyncio.get_running_loop().time() + call.deadline_ms / 1000
+        claim = await store.claim(call.model, key, call.fingerprint, deadline)
+        if claim.replay is not None:
+            first = claim.replay
+            return Reply(first.status, first.body,
+                         first.headers | {"Idempotent-Replayed": "true"}, first.outcome,
+                         first.media_type)
+        reply: Reply | None = None
+        try:
+            reply = await inner(call)
+        finally:
+            await store.finish(claim, None if reply is None else reply.without("Server-Timing"))
+        return reply
+    return once
+
+
+class Guard:
+    """One protocol's inference endpoint over the shared stack."""
+
+    def __init__(self, runtime: Runtime, dialect: Dialect, handler: Handler,
+                 checks: Sequence[Callable[[Request], object]] = ()) -> None:
+        self.runtime = runtime
+        self.dialect = dialect
+        self.handler = handler
+        self.checks = checks  # of the headers, before the body is read (raise VegaError)
+        self.max_body_bytes = runtime.settings.max_body_bytes
+
+    async def __call__(self, request: Request) -> Response:
+        started = asyncio.get_running_loop().time()
+        reply, model, priority = await self.reply(request)  # the body goes with its frame
+        await self.conclude(model, priority, reply.outcome, started)
+        return Response(reply.body, reply.status, headers=reply.headers,
+                        media_type=reply.media_type if reply.body else None)
+
+    async def reply(self, request: Request) -> tuple[Reply, str, int]:
+        """The reply to one request, the model it asked for and the class it was taken at."""
+        model, priority = "", NORMAL
+        try:
+            model = self.dialect.model(request)
+            # Refuse before reading the body when even the most favoured class this
+            # request can claim would not get in: a flood of refusals stays cheap.
+            hinted = request.headers.get("x-vega-priority")
+            claimed = PRIORITY_BY_NAME.get(hinted.strip().lower(), CRITICAL) if hinted else CRITICAL
+            self.runtime.gate(model, claimed if self.dialect.refuses_unread else None)
+            for check in self.checks:
+                check(request)
+            body = await read_body(request, self.max_body_bytes)
+            call = self.dialect.parse(request, model, body,
+                                      keyed="idempotency-key" in request.headers)
+            del body
+            priority = call.priority
+            return await self.handler(call), model, priority
+        except VegaError as error:
+            return self.refusal(request, error), model, priority
+        except ClientGone:
+            return DISCONNECTED, model, priority
+        except Exception:
+            log.exception("request %s: internal error", request.scope.get("vega.request_id"))
+            internal = VegaError("internal_error", "internal error; the server's log has the details")
+            return self.dialect.refusal(internal), model, priority
+
+    def refusal(self, request: Request, error: VegaError) -> Reply:
+        if error.status >= 500:
+            log.warning("request %s: %s %s", request.scope.get("vega.request_id"),
+                        error.code, error.message)
+        return self.dialect.refusal(error)
+
+    async def conclude(self, model: str, priority: int, outcome: str, started: float) -> None:
+        """Count one answer (a 200 with its time since ``started``), then hold it if it is a
+        refusal past VEGA_REFUSAL_RATE, until its turn (vega/pressure/pacing.py).
+
+        Called once the frame that read and parsed the request has returned, so a held
+        refusal keeps nothing of its request alive (under a flood hundreds are held at
+        once, and their parsed bodies would be rescanned by every garbage collection).
+        """
+        runtime = self.runtime
+        loop = asyncio.get_running_loop()
+        metrics = runtime.metrics
+        model = model if model in runtime.models else "_unknown"
+        label = PRIORITY_NAMES[priority]
+        metrics.requests.labels(model, label, outcome).inc()
+        if outcome in REFUSALS:
+            metrics.rejections.labels(model, label, outcome).inc()
+        if outcome == "ok":
+            metrics.request_seconds.labels(model).observe(loop.time() - started)
+        hold = runtime.pacer.hold(outcome, loop.time())
+        if hold > 0:
+            metrics.paced.labels(model).inc()
+            await asyncio.sleep(hold)
