@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from vega.cli import main
-from vega.config import SPECS, ConfigError, env_file_text, load_settings, read_env_file
+from vega.config import (
+    SPECS,
+    ConfigError,
+    Settings,
+    env_file_text,
+    load_settings,
+    read_env_file,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,3 +97,13 @@ def test_serve_with_a_bad_setting_exits_2_and_unloadable_model_exits_3() -> None
                               "torchscript:/nonexistent.pt", "--port", "0"],
                              capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert missing.returncode == 3 and "cannot load" in missing.stderr
+
+
+def test_each_setting_is_declared_once_as_a_field() -> None:
+    # The table that flags, validation and conf/vega.env come from is read off the fields,
+    # and each field's default is its documented default, parsed.
+    fields = dataclasses.fields(Settings)
+    assert [spec.name for spec in SPECS] == [f.name for f in fields]
+    assert Settings() == load_settings(environ={})
+    for spec, field in zip(SPECS, fields):
+        assert field.default == spec.parse(spec.default), spec.env

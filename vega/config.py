@@ -1,8 +1,8 @@
 """Settings: defaults < env file < ``VEGA_*`` environment < command-line flags.
 
-Every setting is declared once, in ``SPECS``; the env file documentation
-(``conf/vega.env``), the CLI flags and the validation all come from that table.
-The result is one frozen ``Settings`` object built at start.
+Every setting is declared once, as a field of ``Settings``; ``SPECS`` (the table the
+env file documentation ``conf/vega.env``, the CLI flags and the validation come from)
+is read off those fields. The result is one frozen ``Settings`` object built at start.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-PRIORITIES = ("critical", "normal", "sheddable")
+from vega.records import PRIORITY_NAMES
 
 
 class ConfigError(ValueError):
@@ -124,209 +124,159 @@ def _names(raw: str) -> tuple[str, ...]:
 
 def _classes(raw: str) -> tuple[str, ...]:
     names = tuple(part.strip().lower() for part in raw.split(",") if part.strip())
-    if any(name not in PRIORITIES for name in names):
+    if any(name not in PRIORITY_NAMES for name in names):
         raise ValueError
     return names
 
 
-SPECS: tuple[Spec, ...] = (
-    Spec("host", "127.0.0.1", _text, "an address", "Address to listen on."),
-    Spec("port", "8000", _int(0, 65535), "an integer 0-65535", "TCP port (0 = any free port)."),
-    Spec("uds", "", _text, "a path or empty", "Listen on this unix socket instead of host:port."),
-    Spec("model", "sensor", _text, "sensor, torchscript:PATH or python:module:attr",
-         "The model this process serves (the default for /v1/infer)."),
-    Spec("model_name", "", _text, "a name or empty",
-         "Name the model is served under (default: derived from VEGA_MODEL)."),
-    Spec("device", "auto", _device, "cpu, cuda, cuda:N or auto",
-         "Where the model runs; auto picks cuda when available."),
-    Spec("torch_threads", "0", _int(0), "an integer >= 0",
-         "torch intra-op threads per executor thread (0 = torch's default)."),
-    Spec("executor_threads", "1", _int(1, 64), "an integer 1-64",
-         "Executor threads running batches (one per device is usual)."),
-    Spec("executor", "auto", _choice("auto", "thread", "process"), "auto, thread or process",
-         "Where the model runs: a thread of this process, or a model process of its own "
-         "(fed through shared memory, so an eager module's Python does not contend with "
-         "the event loop for the GIL); auto = process for an eager torch module, thread "
-         "for TorchScript and other adapters."),
-    Spec("model_timeout_s", "30", _float(0.01, 3600), "a number 0.01-3600",
-         "A batch running longer in a model process is taken to hang: the process is "
-         "killed and restarted, that batch answered 500 model_error."),
-    Spec("warmup_batches", "2", _int(0, 100), "an integer 0-100",
-         "Warm-up passes per (length bucket, batch size) before the process is ready."),
-    Spec("max_batch_size", "32", _int(1, 4096), "an integer 1-4096",
-         "A batch is dispatched when it reaches this many items..."),
-    Spec("max_wait_ms", "5", _float(0, 10_000), "a number 0-10000",
-         "...or when its oldest item has waited this long (with "
-         "VEGA_DISPATCH_WHEN_IDLE=true, only while Redis overflow may hand it to a peer)."),
-    Spec("dispatch_when_idle", "true", _bool, "true or false",
-         "While an executor thread has no batch, dispatch what is queued at once; "
-         "while all are busy, only full batches (a partial one grows until a thread frees; "
-         "with VEGA_REDIS_URL it still goes at VEGA_MAX_WAIT_MS, for a peer to take)."),
-    Spec("length_buckets", "16,32,64,128,256,512", _buckets,
-         "increasing positive integers, comma separated",
-         "Upper bounds of the length buckets; a batch pads only to its own longest item."),
-    Spec("bucket_padding", "0.25", _float(0, 10), "a number 0-10",
-         "After warm-up, the length buckets are cut again from the measured batch times so "
-         "that padding an item to its bucket's bound costs at most this share more per item "
-         "(0 = VEGA_LENGTH_BUCKETS as given; those bounds are where warm-up measures)."),
-    Spec("max_inflight_batches", "2", _int(1, 64), "an integer 1-64",
-         "Batches formed ahead while others run (pipelining bound); each is formed just "
-         "before a thread frees."),
-    Spec("queue_capacity", "1024", _int(1), "an integer >= 1",
-         "Most items queued in this process, all classes together."),
-    Spec("shed_watermark", "0.5", _float(0, 1), "a number 0-1",
-         "Queue fill above which sheddable items are refused (429 shed)."),
-    Spec("normal_watermark", "0.9", _float(0, 1), "a number 0-1",
-         "Queue fill above which normal items are refused (429 queue_full); "
-         "critical keeps the rest."),
-    Spec("rate_limit", "0", _float(0), "a number >= 0",
-         "Token bucket refill in cost units per second (1 unit = one item of the "
-         "shortest bucket); 0 = off."),
-    Spec("burst", "0", _float(0), "a number >= 0",
-         "Token bucket size in cost units (0 = one second of VEGA_RATE_LIMIT)."),
-    Spec("refusal_rate", "500", _float(0), "a number >= 0",
-         "429s answered at once per second; beyond it each waits its turn, so callers "
-         "ignoring Retry-After cannot swamp the loop (0 = off)."),
-    Spec("refusal_max_hold_ms", "2000", _float(0, 60_000), "a number 0-60000",
-         "Longest a paced 429 is held before it is sent."),
-    Spec("default_deadline_ms", "1000", _float(1), "a number >= 1",
-         "Deadline of a request that names none."),
-    Spec("max_deadline_ms", "30000", _float(1), "a number >= 1",
-         "Longest deadline a caller may ask for; longer ones are capped."),
-    Spec("deadline_margin_ms", "2", _float(0), "a number >= 0",
-         "Safety margin added to predicted completion in deadline checks."),
-    Spec("codel_interval_ms", "100", _float(1), "a number >= 1",
-         "Non-critical items join the queue only while the work ahead of them is "
-         "under this; a queue that has not emptied for this long is a standing queue: "
-         "serve newest first and refuse non-critical items older than this."),
-    Spec("codel_target_ms", "5", _float(0), "a number >= 0",
-         "Under a standing queue, non-critical items join only while the work ahead is "
-         "below this (or two full batches, if more)."),
-    Spec("max_body_bytes", "4194304", _int(64), "an integer >= 64",
-         "Largest request body read; larger ones get 413."),
-    Spec("max_instances", "256", _int(1), "an integer >= 1",
-         "Most instances in one request."),
-    Spec("drain_timeout_s", "30", _float(0), "a number >= 0",
-         "On SIGTERM, longest wait for admitted work before exiting."),
-    Spec("access_log", "false", _bool, "true or false", "Log every request (uvicorn access log)."),
-    Spec("redis_url", "", _redis_url, "redis://, rediss://, unix:// URL or empty",
-         "Redis for overflow between processes; empty = this process alone.", secret=True),
-    Spec("node_id", "", _node_id, "1-64 of A-Z a-z 0-9 _ . : -",
-         "Name of this process in Redis (default: host-pid)."),
-    Spec("auth_tokens", "", _text, "comma-separated tokens or empty",
-         "Bearer tokens accepted on the API; empty = no authentication.", secret=True),
-    Spec("auth_open_paths", "/healthz,/readyz,/metrics,/v2/health/live,/v2/health/ready",
-         _text, "comma-separated paths", "Paths served without a token when tokens are set."),
-    Spec("log_level", "info", _choice("critical", "error", "warning", "info", "debug"),
-         "critical, error, warning, info or debug", "Log level."),
-    Spec("overflow_threshold_ms", "0", _float(0), "a number >= 0",
-         "With Redis: a formed batch goes to a peer with spare threads once its predicted "
-         "wait here exceeds the measured steal round trip by this much."),
-    Spec("redis_timeout_ms", "100", _float(1, 10_000), "a number 1-10000",
-         "Longest wait for one Redis command; past it the batch is served locally."),
-    Spec("claim_idle_ms", "2000", _int(10), "an integer >= 10",
-         "A stolen batch pending this long (its thief died) is reclaimed."),
-    Spec("max_attempts", "3", _int(1, 100), "an integer 1-100",
-         "Hand-offs of one batch before it goes to the dead-letter stream."),
-    Spec("heartbeat_ms", "1000", _int(50), "an integer >= 50",
-         "How often this process writes its state to Redis (TTL: 3 beats + 0.5 s)."),
-    Spec("stream_maxlen", "10000", _int(100), "an integer >= 100",
-         "Approximate cap on entries per overflow, reply and dead-letter stream."),
-    Spec("clock_skew_ms", "50", _float(0), "a number >= 0",
-         "Allowed wall-clock difference between hosts when a thief reads a deadline."),
-    Spec("cache_bytes", "0", _int(0), "an integer >= 0",
-         "Response cache: most bytes of answers kept in this process (0 = no cache)."),
-    Spec("cache_models", "*", _names, "* or model names, comma separated",
-         "Models whose answers are cached when VEGA_CACHE_BYTES > 0 (* = every model)."),
-    Spec("cache_redis_ttl_s", "0", _float(0), "a number >= 0",
-         "With VEGA_REDIS_URL: also share cached answers through Redis for this long "
-         "(0 = this process only)."),
-    Spec("cache_nondeterministic", "false", _bool, "true or false",
-         "Cache answers of models that say their outputs are not deterministic."),
-    Spec("idempotency_ttl_s", "600", _float(0), "a number >= 0",
-         "How long the answer to an Idempotency-Key is kept for repeats (0 = header ignored)."),
-    Spec("idempotency_max_keys", "10000", _int(1), "an integer >= 1",
-         "Most Idempotency-Key answers kept in this process (oldest dropped first)."),
-    Spec("fallback_model", "", _text, "empty, sensor-small or another VEGA_MODEL value",
-         "A cheaper model for the same inputs, serving degradable classes under pressure."),
-    Spec("degrade_watermark", "0.25", _float(0, 1), "a number 0-1",
-         "Queue fill of the main model above which degradable requests go to the fallback "
-         "(they also go there whenever the main model would refuse them)."),
-    Spec("degrade_classes", "normal,sheddable", _classes, "classes, comma separated, or empty",
-         "Classes that may be served by the fallback model."),
-    Spec("capacity_sample_s", "1", _float(0.05, 60), "a number 0.05-60",
-         "How often the capacity signal samples load."),
-    Spec("capacity_grow_s", "5", _float(0), "a number >= 0",
-         "Backlog or refusals must last this long before the suggested processes grow."),
-    Spec("capacity_shrink_s", "60", _float(0), "a number >= 0",
-         "The process must be idle this long before the suggested processes shrink."),
-    Spec("capacity_target", "0.75", _float(0.05, 1), "a number 0.05-1",
-         "Executor utilisation the suggested number of processes plans for."),
-)
-
-_BY_ENV = {spec.env: spec for spec in SPECS}
+def setting(default: str, parse: Parser, allowed: str, doc: str, secret: bool = False) -> Any:
+    """A ``Settings`` field: its default as written in an env file, how a value is read and
+    checked, what the error says is allowed, and its documentation."""
+    return dataclasses.field(default=parse(default), metadata={"vega": {
+        "default": default, "parse": parse, "allowed": allowed, "doc": doc, "secret": secret}})
 
 
 @dataclass(frozen=True)
 class Settings:
-    host: str
-    port: int
-    uds: str
-    model: str
-    model_name: str
-    device: str
-    torch_threads: int
-    executor_threads: int
-    executor: str
-    model_timeout_s: float
-    warmup_batches: int
-    max_batch_size: int
-    max_wait_ms: float
-    dispatch_when_idle: bool
-    length_buckets: tuple[int, ...]
-    bucket_padding: float
-    max_inflight_batches: int
-    queue_capacity: int
-    shed_watermark: float
-    normal_watermark: float
-    rate_limit: float
-    burst: float
-    refusal_rate: float
-    refusal_max_hold_ms: float
-    default_deadline_ms: float
-    max_deadline_ms: float
-    deadline_margin_ms: float
-    codel_interval_ms: float
-    codel_target_ms: float
-    max_body_bytes: int
-    max_instances: int
-    drain_timeout_s: float
-    access_log: bool
-    redis_url: str
-    node_id: str
-    auth_tokens: str
-    auth_open_paths: str
-    log_level: str
-    overflow_threshold_ms: float
-    redis_timeout_ms: float
-    claim_idle_ms: int
-    max_attempts: int
-    heartbeat_ms: int
-    stream_maxlen: int
-    clock_skew_ms: float
-    cache_bytes: int
-    cache_models: tuple[str, ...]
-    cache_redis_ttl_s: float
-    cache_nondeterministic: bool
-    idempotency_ttl_s: float
-    idempotency_max_keys: int
-    fallback_model: str
-    degrade_watermark: float
-    degrade_classes: tuple[str, ...]
-    capacity_sample_s: float
-    capacity_grow_s: float
-    capacity_shrink_s: float
-    capacity_target: float
+    """Every setting, declared once: ``VEGA_<NAME>``, ``--<name>`` and conf/vega.env come
+    from these fields."""
+
+    host: str = setting("127.0.0.1", _text, "an address", "Address to listen on.")
+    port: int = setting("8000", _int(0, 65535), "an integer 0-65535",
+        "TCP port (0 = any free port).")
+    uds: str = setting("", _text, "a path or empty",
+        "Listen on this unix socket instead of host:port.")
+    model: str = setting("sensor", _text, "sensor, torchscript:PATH or python:module:attr",
+        "The model this process serves (the default for /v1/infer).")
+    model_name: str = setting("", _text, "a name or empty",
+        "Name the model is served under (default: derived from VEGA_MODEL).")
+    device: str = setting("auto", _device, "cpu, cuda, cuda:N or auto",
+        "Where the model runs; auto picks cuda when available.")
+    torch_threads: int = setting("0", _int(0), "an integer >= 0",
+        "torch intra-op threads per executor thread (0 = torch's default).")
+    executor_threads: int = setting("1", _int(1, 64), "an integer 1-64",
+        "Executor threads running batches (one per device is usual).")
+    executor: str = setting("auto", _choice("auto", "thread", "process"),
+        "auto, thread or process",
+        "Where the model runs: a thread of this process, or a model process of its own "
+        "(fed through shared memory, so an eager module's Python does not contend with "
+        "the event loop for the GIL); auto = process for an eager torch module, thread "
+        "for TorchScript and other adapters.")
+    model_timeout_s: float = setting("30", _float(0.01, 3600), "a number 0.01-3600",
+        "A batch running longer in a model process is taken to hang: the process is "
+        "killed and restarted, that batch answered 500 model_error.")
+    warmup_batches: int = setting("2", _int(0, 100), "an integer 0-100",
+        "Warm-up passes per (length bucket, batch size) before the process is ready.")
+    max_batch_size: int = setting("32", _int(1, 4096), "an integer 1-4096",
+        "A batch is dispatched when it reaches this many items...")
+    max_wait_ms: float = setting("5", _float(0, 10_000), "a number 0-10000",
+        "...or when its oldest item has waited this long (with "
+        "VEGA_DISPATCH_WHEN_IDLE=true, only while Redis overflow may hand it to a peer).")
+    dispatch_when_idle: bool = setting("true", _bool, "true or false",
+        "While an executor thread has no batch, dispatch what is queued at once; "
+        "while all are busy, only full batches (a partial one grows until a thread frees; "
+        "with VEGA_REDIS_URL it still goes at VEGA_MAX_WAIT_MS, for a peer to take).")
+    length_buckets: tuple[int, ...] = setting("16,32,64,128,256,512", _buckets,
+        "increasing positive integers, comma separated",
+        "Upper bounds of the length buckets; a batch pads only to its own longest item.")
+    bucket_padding: float = setting("0.25", _float(0, 10), "a number 0-10",
+        "After warm-up, the length buckets are cut again from the measured batch times so "
+        "that padding an item to its bucket's bound costs at most this share more per item "
+        "(0 = VEGA_LENGTH_BUCKETS as given; those bounds are where warm-up measures).")
+    max_inflight_batches: int = setting("2", _int(1, 64), "an integer 1-64",
+        "Batches formed ahead while others run (pipelining bound); each is formed just "
+        "before a thread frees.")
+    queue_capacity: int = setting("1024", _int(1), "an integer >= 1",
+        "Most items queued in this process, all classes together.")
+    shed_watermark: float = setting("0.5", _float(0, 1), "a number 0-1",
+        "Queue fill above which sheddable items are refused (429 shed).")
+    normal_watermark: float = setting("0.9", _float(0, 1), "a number 0-1",
+        "Queue fill above which normal items are refused (429 queue_full); "
+        "critical keeps the rest.")
+    rate_limit: float = setting("0", _float(0), "a number >= 0",
+        "Token bucket refill in cost units per second (1 unit = one item of the "
+        "shortest bucket); 0 = off.")
+    burst: float = setting("0", _float(0), "a number >= 0",
+        "Token bucket size in cost units (0 = one second of VEGA_RATE_LIMIT).")
+    refusal_rate: float = setting("500", _float(0), "a number >= 0",
+        "429s answered at once per second; beyond it each waits its turn, so callers "
+        "ignoring Retry-After cannot swamp the loop (0 = off).")
+    refusal_max_hold_ms: float = setting("2000", _float(0, 60_000), "a number 0-60000",
+        "Longest a paced 429 is held before it is sent.")
+    default_deadline_ms: float = setting("1000", _float(1), "a number >= 1",
+        "Deadline of a request that names none.")
+    max_deadline_ms: float = setting("30000", _float(1), "a number >= 1",
+        "Longest deadline a caller may ask for; longer ones are capped.")
+    deadline_margin_ms: float = setting("2", _float(0), "a number >= 0",
+        "Safety margin added to predicted completion in deadline checks.")
+    codel_interval_ms: float = setting("100", _float(1), "a number >= 1",
+        "Non-critical items join the queue only while the work ahead of them is "
+        "under this; a queue that has not emptied for this long is a standing queue: "
+        "serve newest first and refuse non-critical items older than this.")
+    codel_target_ms: float = setting("5", _float(0), "a number >= 0",
+        "Under a standing queue, non-critical items join only while the work ahead is "
+        "below this (or two full batches, if more).")
+    max_body_bytes: int = setting("4194304", _int(64), "an integer >= 64",
+        "Largest request body read; larger ones get 413.")
+    max_instances: int = setting("256", _int(1), "an integer >= 1",
+        "Most instances in one request.")
+    drain_timeout_s: float = setting("30", _float(0), "a number >= 0",
+        "On SIGTERM, longest wait for admitted work before exiting.")
+    access_log: bool = setting("false", _bool, "true or false",
+        "Log every request (uvicorn access log).")
+    redis_url: str = setting("", _redis_url, "redis://, rediss://, unix:// URL or empty",
+        "Redis for overflow between processes; empty = this process alone.", secret=True)
+    node_id: str = setting("", _node_id, "1-64 of A-Z a-z 0-9 _ . : -",
+        "Name of this process in Redis (default: host-pid).")
+    auth_tokens: str = setting("", _text, "comma-separated tokens or empty",
+        "Bearer tokens accepted on the API; empty = no authentication.", secret=True)
+    auth_open_paths: str = setting("/healthz,/readyz,/metrics,/v2/health/live,/v2/health/ready",
+        _text, "comma-separated paths", "Paths served without a token when tokens are set.")
+    log_level: str = setting("info", _choice("critical", "error", "warning", "info", "debug"),
+        "critical, error, warning, info or debug", "Log level.")
+    overflow_threshold_ms: float = setting("0", _float(0), "a number >= 0",
+        "With Redis: a formed batch goes to a peer with spare threads once its predicted "
+        "wait here exceeds the measured steal round trip by this much.")
+    redis_timeout_ms: float = setting("100", _float(1, 10_000), "a number 1-10000",
+        "Longest wait for one Redis command; past it the batch is served locally.")
+    claim_idle_ms: int = setting("2000", _int(10), "an integer >= 10",
+        "A stolen batch pending this long (its thief died) is reclaimed.")
+    max_attempts: int = setting("3", _int(1, 100), "an integer 1-100",
+        "Hand-offs of one batch before it goes to the dead-letter stream.")
+    heartbeat_ms: int = setting("1000", _int(50), "an integer >= 50",
+        "How often this process writes its state to Redis (TTL: 3 beats + 0.5 s).")
+    stream_maxlen: int = setting("10000", _int(100), "an integer >= 100",
+        "Approximate cap on entries per overflow, reply and dead-letter stream.")
+    clock_skew_ms: float = setting("50", _float(0), "a number >= 0",
+        "Allowed wall-clock difference between hosts when a thief reads a deadline.")
+    cache_bytes: int = setting("0", _int(0), "an integer >= 0",
+        "Response cache: most bytes of answers kept in this process (0 = no cache).")
+    cache_models: tuple[str, ...] = setting("*", _names, "* or model names, comma separated",
+        "Models whose answers are cached when VEGA_CACHE_BYTES > 0 (* = every model).")
+    cache_redis_ttl_s: float = setting("0", _float(0), "a number >= 0",
+        "With VEGA_REDIS_URL: also share cached answers through Redis for this long "
+        "(0 = this process only).")
+    cache_nondeterministic: bool = setting("false", _bool, "true or false",
+        "Cache answers of models that say their outputs are not deterministic.")
+    idempotency_ttl_s: float = setting("600", _float(0), "a number >= 0",
+        "How long the answer to an Idempotency-Key is kept for repeats (0 = header ignored).")
+    idempotency_max_keys: int = setting("10000", _int(1), "an integer >= 1",
+        "Most Idempotency-Key answers kept in this process (oldest dropped first).")
+    fallback_model: str = setting("", _text, "empty, sensor-small or another VEGA_MODEL value",
+        "A cheaper model for the same inputs, serving degradable classes under pressure.")
+    degrade_watermark: float = setting("0.25", _float(0, 1), "a number 0-1",
+        "Queue fill of the main model above which degradable requests go to the fallback "
+        "(they also go there whenever the main model would refuse them).")
+    degrade_classes: tuple[str, ...] = setting("normal,sheddable", _classes,
+        "classes, comma separated, or empty", "Classes that may be served by the fallback model.")
+    capacity_sample_s: float = setting("1", _float(0.05, 60), "a number 0.05-60",
+        "How often the capacity signal samples load.")
+    capacity_grow_s: float = setting("5", _float(0), "a number >= 0",
+        "Backlog or refusals must last this long before the suggested processes grow.")
+    capacity_shrink_s: float = setting("60", _float(0), "a number >= 0",
+        "The process must be idle this long before the suggested processes shrink.")
+    capacity_target: float = setting("0.75", _float(0.05, 1), "a number 0.05-1",
+        "Executor utilisation the suggested number of processes plans for.")
 
     def __repr__(self) -> str:
         return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.public().items())})"
@@ -342,6 +292,12 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+
+SPECS: tuple[Spec, ...] = tuple(
+    Spec(f.name, **f.metadata["vega"]) for f in dataclasses.fields(Settings))
+
+_BY_ENV = {spec.env: spec for spec in SPECS}
 
 
 def mask_url(url: str) -> str:
@@ -435,7 +391,7 @@ def length_bounds(configured: tuple[int, ...], max_length: int) -> tuple[int, ..
 def env_file_text() -> str:
     """The documented env file: every setting with its default (conf/vega.env)."""
     lines = ["# Vega settings. Every line shows the default; uncomment to change.",
-             "# Precedence: defaults < this file < VEGA_* environment < flags.", ""]
+        "# Precedence: defaults < this file < VEGA_* environment < flags.", ""]
     for spec in SPECS:
         lines.append(f"# {spec.doc} Allowed: {spec.allowed}.")
         lines.append(f"#{spec.env}={spec.default}")
