@@ -96,3 +96,14 @@ async def test_an_idle_thread_takes_the_cheapest_group_first_unless_one_is_overd
     item(batcher, length=10)
     batch = await formed_once(batcher, sink)
     assert [i.length for i in batch.items] == [300]
+
+
+async def test_a_passed_over_item_goes_first_before_a_standing_queue_would_shed_it() -> None:
+    # Long windows cost 100 ms an item: two of their batches' time (0.8 s) is far past
+    # the CoDel interval (0.1 s), after which a standing queue sheds a waiting item.
+    batcher, sink = held({0: (0.001, 0.0001), 1: (0.001, 0.0005), 2: (0.001, 0.1)})
+    old = item(batcher, length=300)
+    old.enqueued_at -= 0.06  # past half the interval
+    item(batcher, length=10)
+    batch = await formed_once(batcher, sink)
+    assert [i.length for i in batch.items] == [300]

@@ -300,10 +300,13 @@ class Batcher:
 
         The batch that serves the most items per second of model time goes first, so
         a cheap group of windows is not held behind an expensive one; an item passed
-        over for two of its own full batches' time goes before any of those, oldest first.
+        over for two of its own full batches' time, or for half the CoDel interval (past
+        the whole of it, a standing queue would shed it), goes before any of those,
+        oldest first.
         """
         size = self.config.max_batch_size
-        if now - oldest > 2 * self.times.predict(bucket, size):
+        overdue_s = min(2 * self.times.predict(bucket, size), self.config.standing_after_s / 2)
+        if now - oldest > overdue_s:
             return (0, oldest)
         shares = self._shares(bucket)
         items = min(size, sum(shares.values()))
