@@ -88,11 +88,8 @@ def serve(settings: Settings) -> int:
     from vega.server import create_app
 
     # An executor thread needs the GIL back from the event loop after each torch call
-    # and waits up to the switch interval for it (5 ms by default). Measured with
-    # VEGA_TORCH_THREADS=1, 64 connections: a batch spent 3.6 ms of its ~24 ms off-CPU
-    # waiting at 0.5 ms, 1.1-1.9 ms at 0.1 ms, for 1.2-1.4x the requests/s (1.2x at 1024
-    # connections); 0.05 and 0.02 ms gained nothing more. The loop is asked to yield
-    # only while a thread is waiting.
+    # and waits up to the switch interval for it (5 ms by default); the loop is asked to
+    # yield only while a thread is waiting (docs/tuning.md has the measurements).
     sys.setswitchinterval(0.0001)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -112,12 +109,10 @@ def serve(settings: Settings) -> int:
     return EXIT_STARTUP if failed else 0
 
 
-# Collect the youngest generation after this many net new container objects, not 700.
-# A waiting request holds a few hundred, so at 1024 connections the default ran ~550
-# young, ~50 middle and 4 full collections per 11-s run (0.7-1.0 s holding the GIL,
-# full ones up to 48 ms) and freed nothing: requests' objects die by reference count.
-# At 10,000: 7 collections, 0.015 s in all, the longest 6 ms. At 64 connections: 0.25 s
-# -> 0.002 s. Cycles are still found; a young generation of 10,000 takes a few ms.
+# Collect the youngest generation after this many net new container objects, not 700:
+# a waiting request holds a few hundred and they die by reference count, so the default
+# ran hundreds of collections under load that held the GIL and freed nothing. Cycles are
+# still found; a young generation of 10,000 takes a few ms.
 YOUNG_COLLECTION_THRESHOLD = 10_000
 
 
@@ -125,8 +120,7 @@ def settle_heap() -> None:
     """Once warm: keep the collector to what requests leave behind.
 
     What exists now (torch, the model, ~200k objects) lives as long as the process, so
-    it leaves the collector's view: every collection rescanned it, and freezing cut a
-    request's event-loop time from 370 to 210 us.
+    it leaves the collector's view: every collection rescanned it.
     """
     gc.collect()
     gc.freeze()

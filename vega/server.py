@@ -5,7 +5,7 @@ the request stack (vega.stack): idempotency, cache, then the runtime, which admi
 queues and awaits it. ``V1`` is this API's dialect: its bodies and its error shape.
 
 Inference POSTs reach their guard past Starlette's router (``HotRoutes``): it is the
-one hot path, and the router's layers were a fifth of its loop time.
+one hot path, and the router's layers were a large share of its loop time.
 """
 
 from __future__ import annotations
@@ -215,8 +215,8 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
 class HotRoutes:
     """POSTs to the inference routes go straight to their guard.
 
-    Starlette's router, request/response wrapping and two exception layers took about
-    a fifth of an inference request's event-loop time. The guard answers every error
+    Starlette's router, request/response wrapping and two exception layers took a large
+    share of an inference request's event-loop time. The guard answers every error
     itself (vega.stack), so skipping them loses nothing. The routes match as they do in
     the router (the same Route objects); anything else, including these paths with
     another method, and the lifespan, goes to the Starlette app.

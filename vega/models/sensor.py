@@ -20,15 +20,9 @@ CLASSES = 4
 
 
 def build_module(*, width: int = 256, layers: int = 6, heads: int = 4, seed: int = 0) -> Any:
-    """The encoder. At width 256 its 12 MB of weights dominate a lone window's forward pass
-    (~3 ms on one core of a 2.4 GHz EPYC, nearly the same from 16 to 64 steps); a batch
-    reads them once, which is what makes batching pay (batch 32 of 64-step windows: ~4.6x
-    the items/s of batch 1 there, 3.6x on a 2.6 GHz Zen 4 EPYC, ~3x on a Sapphire Rapids
-    Xeon). At width 128 a window took ~0.7 ms, under the 1-3 ms the model is meant to
-    cost, and batching gave ~3.4x. A Zen 5 EPYC holds the weights in its 32 MB L3 and
-    runs a lone window's 8-token products near a batch's speed: 0.9-1.3 ms a window,
-    1.7-2.4x from batching, and no width from 96 to 192 (6-24 layers) did better there
-    than 2.8x."""
+    """The encoder. At width 256 its 12 MB of weights dominate a lone window's forward
+    pass; a batch reads them once, which is what makes batching pay (docs/how-it-works.md
+    has the profile on each kind of CPU)."""
     import torch
     from torch import nn
 
@@ -66,8 +60,8 @@ def build_module(*, width: int = 256, layers: int = 6, heads: int = 4, seed: int
 
 
 def sensor(name: str = "sensor") -> SequenceModel:
-    """The full model: ~1-3 ms for one window on one core; batches of 32 ~1.7-9x the
-    items/s (by CPU and window length)."""
+    """The full model: a few ms for one window on one core; batching pays several times
+    over (by CPU and window length)."""
     return SequenceModel(build_module(), name, channels=CHANNELS, max_length=MAX_LENGTH,
                          output_size=CLASSES, script=True)
 
