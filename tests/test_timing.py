@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vega.timing import BatchTimes
+from vega.timing import BatchTimes, ServiceRate
 
 
 def seeded(lines: dict[int, tuple[float, float]], buckets: int) -> BatchTimes:
@@ -42,3 +42,31 @@ def test_full_batches_are_counted_at_their_size() -> None:
     assert times.drain_s([70], max_size=32) == pytest.approx(
         2 * times.predict(0, 32) + 6 * 0.0001 + 0.002)
     assert times.drain_s([0], max_size=32) == 0.0
+
+
+def test_the_line_follows_the_last_window_of_batches() -> None:
+    # The model got twice as slow (a noisy neighbour, a clock change): after a window of
+    # new measurements the old ones no longer count.
+    times = BatchTimes(1, window=8)
+    for size in (1, 8, 32, 16):
+        times.observe(0, size, 0.002 + 0.0001 * size)
+    for size in (1, 8, 32, 16) * 2:
+        times.observe(0, size, 2 * (0.002 + 0.0001 * size))
+    assert times.predict(0, 16) == pytest.approx(2 * (0.002 + 0.0016))
+
+
+def test_nothing_measured_predicts_nothing() -> None:
+    times = BatchTimes(2)
+    assert times.predict(1, 32) == 0.0 and not times.measured()
+    times.observe(0, 4, 0.01)
+    assert times.measured() and times.predict(1, 4) == pytest.approx(0.01)
+
+
+def test_service_rate_counts_every_thread_over_a_sliding_window() -> None:
+    rate = ServiceRate(parallelism=2, window=2)
+    assert rate.items_per_s == 0.0
+    rate.observe(items=10, cost=20.0, seconds=0.1)
+    rate.observe(items=10, cost=20.0, seconds=0.1)
+    assert rate.items_per_s == pytest.approx(200.0) and rate.cost_per_s == pytest.approx(400.0)
+    rate.observe(items=30, cost=30.0, seconds=0.1)  # the first batch leaves the window
+    assert rate.items_per_s == pytest.approx(2 * 40 / 0.2)
