@@ -15,6 +15,7 @@ import pytest
 from tests.servers import VegaProcess
 from vega.lab import loadgen, traffic
 from vega.lab.hdr import Histogram
+from vega.lab.plots import write_plots
 from vega.lab.report import (
     Record,
     Tally,
@@ -23,7 +24,6 @@ from vega.lab.report import (
     distribution_delta,
     format_summary,
     prometheus_histogram,
-    write_plots,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
