@@ -22,13 +22,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vega.admission import Admission, AdmissionConfig
+from vega.admission import PENDING_PER_SPARE, Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.lab.profile import LatencyModel
 from vega.records import Batch, Item
-from vega.streams import PENDING_PER_SPARE
 from vega.warmup import planned, seed_batch_times
 
 # Outcome codes of simulated requests, stored as small ints per request.
