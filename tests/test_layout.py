@@ -1,4 +1,4 @@
-"""The package's layout holds: the lab stays out of the server, modules stay small, nginx.conf ships."""
+"""The package layout holds: the lab stays out of the server, modules stay small, nginx ships."""
 
 from __future__ import annotations
 

@@ -43,8 +43,9 @@ class Target:
             _, proto = await loop.create_connection(factory, self.host, self.port)
         return proto
 
-    def request(self, method: str, path: str, body: bytes = b"") -> bytes:
-        head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+    def request(self, method: str, path: str, body: bytes = b"", headers: str = "") -> bytes:
+        """Request bytes; ``headers`` are more header lines, each ending in CRLF."""
+        head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{headers}"
         if method == "POST":
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         return (head + "\r\n").encode() + body
@@ -52,23 +53,29 @@ class Target:
 
 @dataclass(frozen=True)
 class Kind:
-    """One pre-encoded request: a (length, class) combination."""
+    """One pre-encoded request: a (length, class, can wait) combination."""
 
     data: bytes
     priority: str
     deadline_s: float
+    can_wait: bool = False  # sent with Prefer: respond-async: a refusal may become a job
 
 
-def encode_kinds(target: Target, pairs: set[tuple[int, int]], deadlines: dict[str, float],
-                 rng: np.random.Generator) -> dict[tuple[int, int], Kind]:
+PREFER_ASYNC = "Prefer: respond-async\r\n"
+
+
+def encode_kinds(target: Target, shapes: set[tuple[int, int, bool]],
+                 deadlines: dict[str, float], rng: np.random.Generator
+                 ) -> dict[tuple[int, int, bool], Kind]:
+    """One Kind per (length, priority index, can wait) in ``shapes``."""
     kinds = {}
-    for length, p in sorted(pairs):
+    for length, p, wait in sorted(shapes):
         name = PRIORITIES[p]
         rows = np.round(rng.random((length, 8)), 3).tolist()
         body = orjson.dumps({"inputs": rows, "priority": name,
                              "deadline_ms": round(1000 * deadlines[name], 3)})
-        kinds[(length, p)] = Kind(target.request("POST", target.path, body), name,
-                                  deadlines[name])
+        data = target.request("POST", target.path, body, PREFER_ASYNC if wait else "")
+        kinds[(length, p, wait)] = Kind(data, name, deadlines[name], wait)
     return kinds
 
 
@@ -81,6 +88,16 @@ def error_code(body: bytes) -> str:
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return ""
     return code if isinstance(code, str) else ""
+
+
+def header_value(head: bytes, name: bytes) -> bytes | None:
+    """The value of header ``name`` (given as ``b"\\r\\nname:"``, lower case) in the raw
+    response head, its case kept; None when it is absent."""
+    at = head.lower().find(name)
+    if at < 0:
+        return None
+    end = head.find(b"\r\n", at + 2)
+    return head[at + len(name):end if end > 0 else len(head)].strip()
 
 
 def header_seconds(head: bytes, name: bytes) -> float:

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from vega.lab import report as rep
-from vega.lab.client import Kind, Target, error_code, header_seconds
+from vega.lab.client import Kind, Target, error_code, header_seconds, header_value
+
+# What a 202 hands on: the request, its scheduled time, the body, Location and Retry-After.
+OnAccepted = Callable[[Kind, float, bytes, bytes | None, float], None]
 
 
 class Conn(asyncio.Protocol):
@@ -38,6 +41,7 @@ class Conn(asyncio.Protocol):
         self.status = 0
         self.close_after = False
         self.retry_after_s = 0.0  # the Retry-After header of the answer being read
+        self.location: bytes | None = None  # ... and its Location, for a 202
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -67,6 +71,8 @@ class Conn(asyncio.Protocol):
                 self.head_end = end + 4
                 self.close_after = b"\r\nconnection: close" in head
                 self.retry_after_s = header_seconds(head, b"\r\nretry-after:")
+                self.location = (header_value(bytes(buf[:end]), b"\r\nlocation:")
+                                 if self.status == 202 else None)
             if len(buf) < self.need:
                 return
             body = bytes(buf[self.head_end:self.need]) if self.status != 200 else b""
@@ -124,6 +130,7 @@ class Engine:
     done: int = 0
     limit: int | None = None
     honor_retry_after: bool = False  # closed loop: wait out a 429/503 before the next send
+    on_accepted: OnAccepted | None = None  # a 202: the request became a job
     idle_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -142,6 +149,8 @@ class Engine:
         now = time.perf_counter() - self.start
         reason = error_code(body) if status != 200 else ""
         self.record(kind, t_sched, status, reason, now - t_sched)
+        if status == 202 and self.on_accepted is not None:
+            self.on_accepted(kind, t_sched, body, conn.location, conn.retry_after_s)
         if conn.close_after:
             return
         wait_s = conn.retry_after_s if self.honor_retry_after and status in (429, 503) else 0.0

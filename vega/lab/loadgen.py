@@ -3,10 +3,12 @@
 It turns the options (``vega.lab.traffic``: flags, spec file, defaults) into arrivals
 and pre-encoded requests, runs them through the engine (``vega.lab.engine``: open or
 closed loop over keep-alive connections), polls GET /v1/status for queue depth and
-reads /metrics before and after for the batch histograms meanwhile, and at the end
-writes report.json (``vega.lab.report``) and PNG plots (``vega.lab.plots``) and prints
-a summary. ``configure(parser)`` adds the options, ``run(args)`` runs one bench (exit
-0; 1 when nothing was answered; 2 for bad options); ``python -m vega.lab.loadgen --help``.
+reads /metrics before and after for the batch histograms meanwhile, follows the jobs
+that requests which can wait (``--can-wait``) became (``vega.lab.jobs``) until they end,
+and at the end writes report.json (``vega.lab.report``) and PNG plots
+(``vega.lab.plots``) and prints a summary. ``configure(parser)`` adds the options,
+``run(args)`` runs one bench (exit 0; 1 when nothing was answered; 2 for bad options);
+``python -m vega.lab.loadgen --help``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vega.lab import report as rep
 from vega.lab import traffic
 from vega.lab.client import Target, encode_kinds, http_get
 from vega.lab.engine import Engine, offer, settle
+from vega.lab.jobs import JobPoller
 from vega.lab.plots import write_plots
 from vega.lab.traffic import (
     OPTIONS,
@@ -113,23 +116,25 @@ def batch_distributions(before: str | None, after: str | None
 
 # --- progress ----------------------------------------------------------------------
 
-async def ticker(engine: Engine, total_s: float, show: bool) -> None:
+async def ticker(engine: Engine, total_s: float, show: bool,
+                 poller: JobPoller | None = None) -> None:
     """Every 0.25 s: expire timed-out requests; redraw the progress bar when shown."""
     while True:
         await asyncio.sleep(0.25)
         engine.expire()
         if show:
-            sys.stderr.write("\r" + progress_line(engine, total_s))
+            sys.stderr.write("\r" + progress_line(engine, total_s, poller))
             sys.stderr.flush()
 
 
-def progress_line(engine: Engine, total_s: float) -> str:
+def progress_line(engine: Engine, total_s: float, poller: JobPoller | None = None) -> str:
     elapsed = time.perf_counter() - engine.start
     frac = min(1.0, elapsed / total_s) if total_s > 0 else 1.0
     bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
     return (f"[{bar}] {elapsed:5.1f}/{total_s:.0f}s sent {engine.sent} "
             f"answered {engine.done} inflight {engine.inflight} backlog {len(engine.backlog)} "
-            f"conns {len(engine.conns)}   ")
+            f"conns {len(engine.conns)}"
+            + (f" jobs {len(poller.jobs)} open {poller.open}" if poller else "") + "   ")
 
 
 # --- one run -----------------------------------------------------------------------
@@ -144,14 +149,16 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
         mix = traffic.parse_mix(options["mix"])
         lengths = traffic.parse_lengths(options["lengths"])
         pri, lens = traffic.draw(65536, mix, lengths, rng)
-        pairs = list(zip(lens.tolist(), pri.tolist()))
         total_s = float(options["duration_s"])
     else:
         arrivals = traffic.plan(options, rng)
-        pairs = list(zip(arrivals.length.tolist(), arrivals.priority.tolist()))
+        pri, lens = arrivals.priority, arrivals.length
         total_s = float(arrivals.t_s[-1]) if len(arrivals) else 0.0
-    kinds = encode_kinds(target, set(pairs), deadlines, rng)
-    sequence = [kinds[pair] for pair in pairs]
+    share = float(options["can_wait"])
+    waits = traffic.can_wait(len(pri), share, options["seed"])
+    shapes = list(zip(lens.tolist(), pri.tolist(), waits.tolist()))
+    kinds = encode_kinds(target, set(shapes), deadlines, rng)
+    sequence = [kinds[shape] for shape in shapes]
     engine = Engine(target, rep.Tally(rep.auto_bin_s(total_s + 1.0)),
                     options["max_connections"], options["timeout_s"], closed=closed,
                     limit=options["requests"] if closed else None,
@@ -161,14 +168,25 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
         engine.next_kind = lambda: next(cycle)
 
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def interrupted() -> None:
+        engine.stopping = True
+        stop.set()
+
     with contextlib.suppress(RuntimeError, NotImplementedError, ValueError):
-        loop.add_signal_handler(signal.SIGINT, lambda: setattr(engine, "stopping", True))
+        loop.add_signal_handler(signal.SIGINT, interrupted)
     before = await read_metrics(target) if options["metrics"] else None
     snapshots: list[dict[str, Any]] = []
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     engine.start = time.perf_counter()
+    poller = None
+    if share > 0:
+        poller = JobPoller(target, engine.start, share, options["job_ttl_s"],
+                           options["drain_s"], options["timeout_s"])
+        engine.on_accepted = poller.accepted
     show = options["progress"] if options["progress"] is not None else sys.stderr.isatty()
-    side = [asyncio.ensure_future(ticker(engine, total_s, show))]
+    side = [asyncio.ensure_future(ticker(engine, total_s, show, poller))]
     if options["poll_s"] > 0:
         side.append(asyncio.ensure_future(poll_status(engine, options["poll_s"], snapshots)))
     for _ in range(options["connections"]):
@@ -181,6 +199,8 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
         else:
             await offer(engine, arrivals.t_s.tolist(), sequence)
         await settle(engine, options["drain_s"])
+        if poller is not None:
+            await poller.wait(stop)
     finally:
         engine.stopping = True
         for task in side:
@@ -188,7 +208,7 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
         await asyncio.gather(*side, return_exceptions=True)
         loop.remove_signal_handler(signal.SIGINT)
         if show:
-            sys.stderr.write("\r" + progress_line(engine, total_s) + "\n")
+            sys.stderr.write("\r" + progress_line(engine, total_s, poller) + "\n")
     elapsed = time.perf_counter() - engine.start
     after = await read_metrics(target) if options["metrics"] else None
     meta = {k: v for k, v in options.items()} | {
@@ -200,6 +220,8 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
     report = rep.build_report(engine.tally, snapshots=snapshots, meta=meta,
                               batches=batch_distributions(before, after))
     report["client"] = vars(engine.stats) | {"timeout_s": options["timeout_s"]}
+    if poller is not None:
+        report["jobs"] = poller.summary(total_s)
     return report
 
 

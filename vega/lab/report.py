@@ -313,6 +313,26 @@ def distribution_delta(before: Distribution | None, after: Distribution | None
             "count": after["count"] - before["count"], "sum": after["sum"] - before["sum"]}
 
 
+JOB_ENDS = ("done", "failed", "expired", "cancelled")  # a job's final states
+
+
+def jobs_section(share: float, accepted: int, ended: Mapping[str, int],
+                 last_finished_s: float | None, load_s: float, latency: Histogram,
+                 **extra: Any) -> dict[str, Any]:
+    """The report's ``jobs``: requests that could wait (``share`` of them) and became jobs.
+
+    ``ended`` counts jobs by final state (``JOB_ENDS``); ``lost`` is what was accepted
+    and never reached one. ``last_finished_s`` is when the last job that ran (done or
+    failed) finished, from the run's start; ``load_s`` is when the load ended (the last
+    scheduled send); ``latency`` holds done jobs' times from scheduled send to finish."""
+    counts = {state: int(ended.get(state, 0)) for state in JOB_ENDS}
+    last = None if last_finished_s is None else round(last_finished_s, 3)
+    return {"can_wait": share, "accepted": accepted, **counts,
+            "lost": accepted - sum(counts.values()), "last_finished_s": last,
+            "last_finished_after_load_s": None if last is None else round(last - load_s, 3),
+            "latency_ms": latency.summary_ms(), **extra}
+
+
 def write_json(report: Mapping[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -346,4 +366,15 @@ def format_summary(report: Mapping[str, Any]) -> str:
         tail = f"p50 {lat['p50']} p99 {lat['p99']} ms" if lat.get("count") else "no 200s"
         lines.append(f"  {p:<9} offered {c['offered']:<8} goodput {c['goodput']}/s "
                      f"({100 * c['goodput_ratio']:.1f}%)  {tail}")
+    jobs = report.get("jobs")
+    if jobs:
+        lines.append(f"jobs ({100 * jobs['can_wait']:g}% could wait): accepted "
+                     f"{jobs['accepted']}  " + "  ".join(f"{state} {jobs[state]}" for state
+                                                          in JOB_ENDS) + f"  lost {jobs['lost']}")
+        if jobs["last_finished_s"] is not None:
+            lat = jobs["latency_ms"]
+            tail = (f"; done jobs from send to finish: p50 {lat['p50'] / 1000:.1f} s  p99 "
+                    f"{lat['p99'] / 1000:.1f} s" if lat.get("count") else "")
+            lines.append(f"  last job finished {jobs['last_finished_after_load_s']} s after "
+                         f"the load ended{tail}")
     return "\n".join(lines)
