@@ -27,18 +27,20 @@ from vega.batcher import Batcher, BatcherConfig
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.lab.profile import LatencyModel
+from vega.lab.simjobs import TURNED, JobLane
 from vega.records import Batch, Item
 from vega.warmup import planned, seed_batch_times
 
 # Outcome codes of simulated requests, stored as small ints per request.
 OUTCOMES = ("ok", "rate_limited", "queue_full", "shed", "deadline_unmeetable",
-            "deadline_exceeded", "model_error")
+            "deadline_exceeded", "model_error", "accepted")  # accepted: became a job (202)
 OUTCOME_INDEX = {name: index for index, name in enumerate(OUTCOMES)}
 PENDING = -1
 
 
 class Requests:
-    """Per-request results, one slot per arrival: outcome, process, and finish time."""
+    """Per-request results, one slot per arrival: outcome, process, and finish time; and
+    how many admitted requests and jobs are still open."""
 
     def __init__(self, t_s: Sequence[float]) -> None:
         self.t_s = t_s
@@ -47,20 +49,32 @@ class Requests:
         self.process = [0] * n
         self.done_s = [0.0] * n
         self.open = 0
+        self.jobs = 0
         self.all_sent = False
         self.quiet: asyncio.Future[None] | None = None
+        self.inline_done_s: float | None = None  # when the last admitted request was answered
 
-    def opened(self) -> None:
-        self.open += 1
+    def opened(self, job: bool = False) -> None:
+        if job:
+            self.jobs += 1
+        else:
+            self.open += 1
 
-    def closed(self) -> None:
-        self.open -= 1
+    def closed(self, job: bool = False) -> None:
+        if job:
+            self.jobs -= 1
+        else:
+            self.open -= 1
         self.check_quiet()
 
     def check_quiet(self) -> None:
-        """Resolve ``quiet`` once every arrival was sent and every admitted one answered."""
-        if self.all_sent and self.open == 0 and self.quiet is not None \
-                and not self.quiet.done():
+        """Resolve ``quiet`` once every arrival was sent, every admitted one answered and
+        every job ended."""
+        if not self.all_sent or self.open:
+            return
+        if self.inline_done_s is None:
+            self.inline_done_s = asyncio.get_running_loop().time()
+        if self.jobs == 0 and self.quiet is not None and not self.quiet.done():
             self.quiet.set_result(None)
 
     def finish(self, index: int, outcome: str, now: float) -> None:
@@ -118,7 +132,8 @@ class SimProcess:
         model = latency.model or "model"
         self.batcher = Batcher(BatcherConfig.from_settings(settings, model, latency.max_length,
                                               hands_off=overflow is not None), self._sink)
-        self.admission = Admission(AdmissionConfig.from_settings(settings), self.batcher, loop.time())
+        self.admission = Admission(AdmissionConfig.from_settings(settings), self.batcher,
+                                   loop.time())
         self.free_at = [loop.time()] * settings.executor_threads  # per executor thread
         self.open = 0  # admitted requests not yet answered (least_conn counts these)
         self.batches = 0
@@ -127,6 +142,7 @@ class SimProcess:
         self.overflow_out = 0
         self.overflow_in = 0
         self._handed: list[float] = []  # when each batch handed to a peer starts there
+        self.lane: JobLane | None = None  # where refused requests that can wait go
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -144,9 +160,10 @@ class SimProcess:
 
     def _warm_up(self) -> None:
         """Seed the batch-time predictor exactly as the runtime does, with profiled times."""
-        seed_batch_times(self.batcher, self.settings.warmup_batches, self._draw)
+        seed_batch_times(self.batcher, self.settings.warmup_batches, self.draw)
 
-    def _draw(self, length: int, size: int) -> float:
+    def draw(self, length: int, size: int) -> float:
+        """Seconds a batch of ``size`` padded to ``length`` runs for (profiled, noised)."""
         seconds = self.latency.seconds(length, size)
         if self.noise:
             sigma = self.latency.sigma(length, size)
@@ -156,7 +173,8 @@ class SimProcess:
 
     # -- the request side: Runtime.infer and _await_items, for one instance --------
 
-    def arrive(self, index: int, priority: int, length: int, deadline_s: float) -> None:
+    def arrive(self, index: int, priority: int, length: int, deadline_s: float,
+               can_wait: bool = False) -> None:
         loop, batcher = self.loop, self.batcher
         now = loop.time()
         deadline = now + deadline_s
@@ -164,7 +182,11 @@ class SimProcess:
         try:
             costs = self.admission.admit(priority, (bucket,), deadline, now)
         except VegaError as error:
-            self.requests.finish(index, error.code, now)
+            outcome = error.code
+            if can_wait and self.lane is not None and outcome in TURNED:
+                outcome = "accepted" if self.lane.submit(index, length, bucket, now) \
+                    else "queue_full"
+            self.requests.finish(index, outcome, now)
             return
         item = Item(model=batcher.config.model, sample=None, length=length, priority=priority,
                     deadline=deadline, future=loop.create_future(), bucket=bucket, cost=costs[0])
@@ -214,17 +236,24 @@ class SimProcess:
             runner, delay = peer, self.overflow.transport_s if self.overflow else 0.0
             self.overflow_out += 1
             peer.overflow_in += 1
-        seconds = self._draw(batch.pad_to, batch.size)
+        seconds = self.draw(batch.pad_to, batch.size)
         finish = runner.book(now + delay / 2, seconds) + delay / 2
         if runner is not self:
             self._handed.append(finish - delay / 2 - seconds)
         batch.infer_s = seconds
-        self.batches += 1
-        self.sizes.append(batch.size)
-        self.padding.append(batch.padding_ratio)
+        self.ran_batch(batch.size, batch.padding_ratio)
         done: asyncio.Future[None] = loop.create_future()
         loop.call_at(finish, _resolve, batch, done)
+        if self.lane is not None:
+            loop.call_soon(self.lane.feed)  # another thread may be free for jobs
         await done
+        if self.lane is not None:
+            self.lane.feed()
+
+    def ran_batch(self, size: int, padding_ratio: float) -> None:
+        self.batches += 1
+        self.sizes.append(size)
+        self.padding.append(padding_ratio)
 
     def _thief(self, now: float) -> SimProcess | None:
         """The peer a formed batch goes to, as Streams.worth_handing_off and the thieves

@@ -28,8 +28,12 @@ import numpy as np
 from vega.config import ConfigError, Settings, load_settings
 from vega.errors import STATUS_BY_CODE
 from vega.lab import simclock
+from vega.lab.hdr import Histogram
 from vega.lab.profile import LatencyModel
+from vega.lab.report import jobs_section
+from vega.lab.simjobs import JobLane
 from vega.lab.simproc import OUTCOMES, Overflow, Requests, SimProcess
+from vega.lab.traffic import can_wait
 from vega.records import PRIORITY_NAMES
 
 EXIT_CONFIG = 2
@@ -50,6 +54,10 @@ class SimOptions:
     steal_rtt_ms: float = 2.0
     to_first: bool = False  # every arrival to the first process (skewed, no balancer)
     transport_ms: float = 2.0  # Redis's part of the round trip
+    can_wait: float = 0.0  # share of arrivals that may become jobs (drawn as vega bench does)
+    # The job lane's bound and a job's ttl: VEGA_JOBS_MAX_DEPTH and VEGA_JOBS_DEFAULT_TTL_S.
+    jobs_max_depth: int = 10000
+    job_ttl_s: float = 600.0
 
 
 @dataclass
@@ -63,6 +71,7 @@ class SimResult:
     virtual_s: float
     wall_s: float
     process_objects: list[SimProcess]
+    lanes: list[JobLane]
 
 
 def simulate(options: SimOptions, t_s: Sequence[float], priority: Sequence[int],
@@ -90,23 +99,40 @@ async def _main(options: SimOptions, t_s: Sequence[float], priority: Sequence[in
         overflow.peers.extend(procs)
     for proc in procs:
         proc.start()
+    lanes = _lanes(options, procs, requests)
+    waits = can_wait(len(t_s), options.can_wait, options.seed).tolist()
     deadlines = deadlines_by_class(options)
     snapshots: list[dict[str, Any]] = []
-    sampler = _Sampler(loop, procs, snapshots, options.snapshot_s)
+    sampler = _Sampler(loop, procs, snapshots, options.snapshot_s, lanes)
     sampler.tick()
     try:
         await _drive(loop, procs[:1] if options.to_first else procs, requests, priority,
-                     length, deadlines)
+                     length, deadlines, waits)
     finally:
         sampler.stop()
         for proc in procs:
             await proc.stop()
     return SimResult(t_s, priority, length, requests, snapshots,
-                     [_process_summary(p) for p in procs], loop.time(), 0.0, procs)
+                     [_process_summary(p) for p in procs], loop.time(), 0.0, procs, lanes)
+
+
+def _lanes(options: SimOptions, procs: list[SimProcess], requests: Requests) -> list[JobLane]:
+    """The job lanes: none without work that can wait; one for all processes when they
+    overflow (through Redis, any process runs any job); else one per process."""
+    if options.can_wait <= 0:
+        return []
+    groups = [procs] if procs[0].overflow is not None else [[p] for p in procs]
+    lanes = [JobLane(group, requests, options.jobs_max_depth, options.job_ttl_s)
+             for group in groups]
+    for lane in lanes:
+        for proc in lane.procs:
+            proc.lane = lane
+    return lanes
 
 
 async def _drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], requests: Requests,
-                 priority: Sequence[int], length: Sequence[int], deadlines: list[float]) -> None:
+                 priority: Sequence[int], length: Sequence[int], deadlines: list[float],
+                 waits: Sequence[bool]) -> None:
     """Hand each arrival to a process at its time (least_conn), then wait for every answer."""
     t_s = requests.t_s
     n = len(t_s)
@@ -131,7 +157,7 @@ async def _drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], reque
         now = loop.time()
         while position < n and t_s[position] <= now:
             p = priority[position]
-            pick().arrive(position, p, length[position], deadlines[p])
+            pick().arrive(position, p, length[position], deadlines[p], waits[position])
             position += 1
         if position < n:
             loop.call_at(t_s[position], arrivals)
@@ -146,11 +172,13 @@ async def _drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], reque
 
 
 class _Sampler:
-    """Queue depth per class, in-flight batches and service rate, every ``every_s``."""
+    """Queue depth per class, in-flight batches and service rate (and jobs queued, with
+    a job lane), every ``every_s``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, procs: list[SimProcess],
-                 out: list[dict[str, Any]], every_s: float) -> None:
+                 out: list[dict[str, Any]], every_s: float, lanes: list[JobLane]) -> None:
         self.loop, self.procs, self.out, self.every_s = loop, procs, out, every_s
+        self.lanes = lanes
         self._timer: asyncio.TimerHandle | None = None
 
     def tick(self) -> None:
@@ -161,6 +189,10 @@ class _Sampler:
                          "inflight_batches": sum(p.batcher.inflight for p in self.procs),
                          "service_rate": sum(p.batcher.rate.items_per_s for p in self.procs),
                          "backlog_ms": max(1000 * p.batcher.backlog_s() for p in self.procs)})
+        if self.lanes:
+            self.out[-1]["jobs_queued"] = sum(lane.depth for lane in self.lanes)
+            for lane in self.lanes:
+                lane.feed()  # a queue emptied by deadlines frees its threads for jobs too
         self._timer = self.loop.call_later(self.every_s, self.tick)
 
     def stop(self) -> None:
@@ -183,11 +215,14 @@ def build(result: SimResult, options: SimOptions,
     from vega.metrics import RATIO_BUCKETS, SIZE_BUCKETS
 
     requests = result.requests
-    duration_s = max(result.virtual_s, 1e-9)
+    # The inline requests' span: a job lane draining after the load is reported apart.
+    inline_s = requests.inline_done_s if result.lanes else None
+    duration_s = max(result.virtual_s if inline_s is None else inline_s, 1e-9)
     tally = Tally(auto_bin_s(duration_s))
     deadlines = deadlines_by_class(options)
-    statuses = [STATUS_BY_CODE.get(name, 200) for name in OUTCOMES]
-    reasons = [("" if name == "ok" else name) for name in OUTCOMES]
+    statuses = [202 if name == "accepted" else STATUS_BY_CODE.get(name, 200)
+                for name in OUTCOMES]
+    reasons = [("" if name in ("ok", "accepted") else name) for name in OUTCOMES]
     for t, outcome, done, prio in zip(requests.t_s, requests.outcome, requests.done_s,
                                       result.priority):
         tally.add(Record(t, done - t, statuses[outcome], reasons[outcome],
@@ -209,7 +244,24 @@ def build(result: SimResult, options: SimOptions,
                               "wall_s": round(result.wall_s, 3),
                               "virtual_s": round(result.virtual_s, 3),
                               "per_process": result.processes, **(meta or {})})
+    if result.lanes:
+        report["jobs"] = _jobs(result, options)
     return report
+
+
+def _jobs(result: SimResult, options: SimOptions) -> dict[str, Any]:
+    lanes = result.lanes
+    latency = Histogram()
+    for lane in lanes:
+        latency.merge(lane.latency)
+    finished = [lane.last_finished_s for lane in lanes if lane.last_finished_s is not None]
+    t_s = result.requests.t_s
+    return jobs_section(options.can_wait, sum(lane.accepted for lane in lanes),
+                        {"done": sum(lane.done for lane in lanes),
+                         "expired": sum(lane.expired for lane in lanes)},
+                        max(finished, default=None), t_s[-1] if len(t_s) else 0.0, latency,
+                        batches=sum(lane.batches for lane in lanes), lanes=len(lanes),
+                        max_depth=options.jobs_max_depth, ttl_s=options.job_ttl_s)
 
 
 # Settings that change what the simulator does; copied into the report's meta.
@@ -225,7 +277,8 @@ TUNED = ("max_batch_size", "max_wait_ms", "length_buckets", "max_inflight_batche
 # give the same arrivals (same seed) to ``vega bench`` and ``vega simulate``.
 TRAFFIC_OPTIONS = ("spec", "profile", "process", "rate", "duration_s", "requests", "ramp_to",
                    "steps", "burst_factor", "burst_at_s", "burst_s", "trace", "trace_speed",
-                   "mix", "lengths", "deadline_ms", "seed", "out", "plots")
+                   "mix", "lengths", "deadline_ms", "can_wait", "job_ttl_s", "seed", "out",
+                   "plots")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -250,7 +303,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulation")
     sim.add_argument("--processes", type=int, default=1, help="Vega processes behind least_conn")
     sim.add_argument("--overflow-ms", type=float,
-                     help="overflow between the processes on, with this VEGA_OVERFLOW_THRESHOLD_MS: "
+                     help="overflow between the processes on, with this "
+                          "VEGA_OVERFLOW_THRESHOLD_MS: "
                           "a batch goes to an idle peer once the wait here passes the round "
                           "trip by this much (0 is the default setting)")
     sim.add_argument("--steal-rtt-ms", type=float, default=2.0,
@@ -262,6 +316,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="send every request to the first process (the others only steal)")
     sim.add_argument("--no-noise", action="store_true",
                      help="every batch takes its profiled p50 (default: log-normal p50/p90)")
+    sim.add_argument("--jobs-max-depth", type=int, default=10000,
+                     help="most jobs waiting (VEGA_JOBS_MAX_DEPTH); past it a request that "
+                          "can wait is refused queue_full (default 10000)")
     sim.add_argument("--snapshot-ms", type=float, default=100.0,
                      help="queue depth sampled this often, in virtual time (default 100)")
 
@@ -279,13 +336,18 @@ def run(args: argparse.Namespace) -> int:
         latency = LatencyModel.from_file(args.latency)
         if args.processes < 1:
             raise ValueError(f"--processes={args.processes}: expected >= 1")
+        if args.jobs_max_depth < 1:
+            raise ValueError(f"--jobs-max-depth={args.jobs_max_depth}: expected >= 1")
         seed = traffic_options["seed"] if traffic_options["seed"] is not None else 0
         options = SimOptions(settings, latency, processes=args.processes,
                              deadlines_s=parse_deadlines(str(traffic_options["deadline_ms"])),
                              seed=seed, noise=not args.no_noise,
                              snapshot_s=args.snapshot_ms / 1000,
                              overflow_after_ms=args.overflow_ms, steal_rtt_ms=args.steal_rtt_ms,
-                             to_first=args.to_first, transport_ms=args.steal_transport_ms)
+                             to_first=args.to_first, transport_ms=args.steal_transport_ms,
+                             can_wait=traffic_options["can_wait"],
+                             jobs_max_depth=args.jobs_max_depth,
+                             job_ttl_s=traffic_options["job_ttl_s"])
         arrivals = traffic.plan(traffic_options, np.random.default_rng(seed))
     except (ConfigError, ValueError, OSError, KeyError) as error:
         print(f"vega simulate: {error}", file=sys.stderr)
