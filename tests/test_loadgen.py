@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ import pytest
 from tests.servers import VegaProcess
 from vega.lab import loadgen, traffic
 from vega.lab.hdr import Histogram
+from vega.lab.plots import write_plots
 from vega.lab.report import (
     Record,
     Tally,
@@ -23,7 +27,6 @@ from vega.lab.report import (
     distribution_delta,
     format_summary,
     prometheus_histogram,
-    write_plots,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -236,3 +239,112 @@ def test_open_loop_run_against_vega(vega: Callable[..., VegaProcess], tmp_path: 
     s = report["summary"]
     assert s["sent"] == sum(s["counts_by_status"].values()) == s["offered"] > 0
     assert report["meta"]["mode"] == "closed" and report["client"]["max_connections_used"] == 4
+
+
+# --- the async lane's client side, against a double of its contract ----------------
+
+class JobsContractDouble:
+    """A stand-in for the job API of DESIGN.md "Jobs", written for the client's tests
+    while the server's routes are built elsewhere: every /v1/infer with ``Prefer:
+    respond-async`` becomes a job (202, Location, Retry-After: 1); without it, a 200.
+    Job n ends by n % 6: done, failed, expired, cancelled, never (lost), or forgotten
+    (404 once polled: lost). GETs of an unfinished job carry Retry-After: 0.2."""
+
+    FATES = ("done", "failed", "expired", "cancelled", "never", "forgotten")
+
+    def __init__(self) -> None:
+        self.inline = 0
+        self.fates: dict[str, str] = {}
+        self.created_s: dict[str, float] = {}
+        self.polled_s: dict[str, list[float]] = {}
+        self.bad_polls = 0
+
+    def app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        async def infer(request: Request) -> JSONResponse:
+            await request.body()
+            if "respond-async" not in request.headers.get("prefer", ""):
+                self.inline += 1
+                return JSONResponse({"outputs": [0.0]})
+            job_id = f"j{len(self.fates)}"
+            self.fates[job_id] = self.FATES[len(self.fates) % len(self.FATES)]
+            self.created_s[job_id] = time.monotonic()
+            return JSONResponse({"id": job_id, "status": "queued"}, 202, headers={
+                "Location": f"/v1/jobs/{job_id}", "Retry-After": "1"})
+
+        async def job(request: Request) -> JSONResponse:
+            job_id = request.path_params["id"]
+            fate = self.fates.get(job_id)
+            if fate is None:
+                self.bad_polls += 1
+                return JSONResponse({"error": {"code": "job_not_found"}}, 404)
+            polls = self.polled_s.setdefault(job_id, [])
+            polls.append(time.monotonic())
+            if fate == "forgotten":
+                return JSONResponse({"error": {"code": "job_not_found"}}, 404)
+            view = {"id": job_id, "model": "m", "created_ms": 1_000_000}
+            if fate == "never" or len(polls) < 2:
+                return JSONResponse(view | {"status": "queued" if len(polls) < 2 else
+                                            "running"}, headers={"Retry-After": "0.2"})
+            view |= {"status": fate, "finished_ms": 1_000_250}
+            return JSONResponse(view | ({"outputs": [0.0]} if fate == "done" else {}))
+
+        return Starlette(routes=[Route("/v1/infer", infer, methods=["POST"]),
+                                 Route("/v1/jobs/{id}", job, methods=["GET"])])
+
+
+async def test_bench_follows_jobs_to_their_end(tmp_path: Path) -> None:
+    import uvicorn
+
+    double = JobsContractDouble()
+    sock = tmp_path / "double.sock"
+    server = uvicorn.Server(uvicorn.Config(double.app(), uds=str(sock), lifespan="off",
+                                           log_level="warning"))
+    serving = asyncio.ensure_future(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        options = traffic.resolve({
+            "url": "http://double", "uds": str(sock), "rate": 60.0, "duration_s": 1.0,
+            "process": "constant", "seed": 3, "can_wait": 0.4, "job_ttl_s": 1.5,
+            "drain_s": 0.5, "poll_s": 0, "metrics": False, "plots": False,
+            "progress": False})
+        report = await loadgen.bench(options)
+    finally:
+        server.should_exit = True
+        await serving
+
+    waits = int(traffic.can_wait(60, 0.4, 3).sum())
+    assert 0 < waits < 60
+    assert len(double.fates) == waits and double.inline == 60 - waits
+    jobs = report["jobs"]
+    fates = list(double.fates.values())
+    assert jobs["accepted"] == waits
+    for state in ("done", "failed", "expired", "cancelled"):
+        assert jobs[state] == fates.count(state), state
+    assert jobs["lost"] == fates.count("never") + fates.count("forgotten") > 0
+    assert jobs["not_found"] == fates.count("forgotten")
+    assert double.bad_polls == 0 and jobs["unreadable"] == 0
+    assert report["summary"]["counts_by_status"] == {"200": 60 - waits, "202": waits}
+    for job_id, polls in double.polled_s.items():
+        assert polls[0] - double.created_s[job_id] >= 0.9  # Retry-After: 1 was waited out
+        if double.fates[job_id] == "never":  # polled until its window (ttl + drain) ended
+            assert 1.9 <= polls[-1] - double.created_s[job_id] < 3.0
+    assert jobs["latency_ms"]["count"] == fates.count("done")
+    assert jobs["last_finished_after_load_s"] is not None
+    assert "lost " + str(jobs["lost"]) in format_summary(report)
+
+
+def test_job_paths_from_the_network_are_checked() -> None:
+    from vega.lab.jobs import job_path
+
+    assert job_path(b'{"id": "a-1", "status": "queued"}', None) == "/v1/jobs/a-1"
+    assert job_path(b"{}", b"/v1/jobs/B_2") == "/v1/jobs/B_2"
+    assert job_path(b'{"id": "x\\r\\nHost: evil"}', None) is None
+    assert job_path(b'{"id": "ok"}', b"/v1/jobs/a b") == "/v1/jobs/ok"
+    assert job_path(b"not json", b"http://elsewhere/v1/jobs/1") is None
+    assert job_path(b'{"id": 7}', None) is None

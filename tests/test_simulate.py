@@ -35,11 +35,14 @@ def arrivals(seed: int = 1, **options: Any) -> traffic.Arrivals:
 
 
 def run_sim(plan: traffic.Arrivals, seed: int = 1, processes: int = 1,
-            overflow_after_ms: float | None = None, **env: str) -> dict[str, Any]:
+            overflow_after_ms: float | None = None, can_wait: float = 0.0,
+            jobs_max_depth: int = 10000, job_ttl_s: float = 600.0, **env: str
+            ) -> dict[str, Any]:
     settings = load_settings(environ={"VEGA_WARMUP_BATCHES": "1", **env})
     options = simulate.SimOptions(settings, LatencyModel.from_profile(PROFILE),
                                   processes=processes, seed=seed,
-                                  overflow_after_ms=overflow_after_ms)
+                                  overflow_after_ms=overflow_after_ms, can_wait=can_wait,
+                                  jobs_max_depth=jobs_max_depth, job_ttl_s=job_ttl_s)
     result = simulate.simulate(options, plan.t_s.tolist(), plan.priority.tolist(),
                                plan.length.tolist())
     report = simulate.build(result, options)
@@ -164,6 +167,52 @@ def test_overflow_hands_batches_to_an_idle_peer() -> None:
     assert outcomes(report) == {"200": report["summary"]["offered"]}
 
 
+# -- work that can wait --------------------------------------------------------------
+
+def burst_over_capacity() -> traffic.Arrivals:
+    return arrivals(profile="burst", rate=0.5 * CAPACITY, burst_factor=6.0, burst_at_s=0.5,
+                    burst_s=1.0, duration_s=2.0)
+
+
+def test_refusals_that_can_wait_become_jobs_and_all_finish() -> None:
+    plan = burst_over_capacity()
+    plain, lane = run_sim(plan), run_sim(plan, can_wait=0.3)
+    assert "jobs" not in plain
+    jobs = lane["jobs"]
+    assert jobs["accepted"] > 500
+    assert jobs["done"] == jobs["accepted"] and jobs["lost"] == 0 and jobs["expired"] == 0
+    assert outcomes(lane)["202"] == jobs["accepted"]
+    assert jobs["last_finished_after_load_s"] > 0  # the backlog drains after the burst
+    assert jobs["latency_ms"]["count"] == jobs["done"]
+    # Jobs take only what inline work leaves: its answers stay as they were.
+    ok, ok_plain = lane["summary"]["ok"], plain["summary"]["ok"]
+    assert abs(ok - ok_plain) <= 0.02 * ok_plain
+    assert lane["summary"]["duration_s"] == plain["summary"]["duration_s"]
+    refused = sum(n for label, n in outcomes(lane).items() if label.startswith("429"))
+    refused_plain = sum(n for label, n in outcomes(plain).items() if label.startswith("429"))
+    assert refused < refused_plain
+
+
+def test_the_job_lane_is_bounded_and_jobs_expire_unrun() -> None:
+    plan = burst_over_capacity()
+    bounded = run_sim(plan, can_wait=0.3, jobs_max_depth=50)
+    assert bounded["jobs"]["accepted"] < run_sim(plan, can_wait=0.3)["jobs"]["accepted"]
+    assert bounded["jobs"]["lost"] == 0
+    brief = run_sim(plan, can_wait=0.3, job_ttl_s=1.0)["jobs"]  # drained from 2 s on
+    assert brief["expired"] > 0 and brief["done"] > 0
+    assert brief["done"] + brief["expired"] == brief["accepted"]
+    assert brief["latency_ms"]["max"] <= 1000 * (1.0 + 0.05)  # none started past its ttl
+
+
+def test_overflowing_processes_share_one_job_lane() -> None:
+    plan = arrivals(rate=4 * CAPACITY, duration_s=0.5)
+    shared = run_sim(plan, processes=2, overflow_after_ms=1.0, can_wait=0.2)["jobs"]
+    apart = run_sim(plan, processes=2, can_wait=0.2)["jobs"]
+    assert (shared["lanes"], apart["lanes"]) == (1, 2)
+    for jobs in (shared, apart):
+        assert jobs["accepted"] > 0 and jobs["done"] == jobs["accepted"]
+
+
 def test_command_writes_the_load_generators_report_and_plots(tmp_path: Path) -> None:
     latency = tmp_path / "profile.json"
     latency.write_text(json.dumps(PROFILE))
@@ -180,6 +229,23 @@ def test_command_writes_the_load_generators_report_and_plots(tmp_path: Path) -> 
     assert report["queue"]["max_depth"]["sheddable"] > 0
     for name in ("rates.png", "latency.png", "queue.png", "batches.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_command_reports_jobs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    latency = tmp_path / "profile.json"
+    latency.write_text(json.dumps(PROFILE))
+    parser = argparse.ArgumentParser()
+    simulate.configure(parser)
+    flags = ["--latency", str(latency), "--rate", "6000", "--duration-s", "1", "--no-plots",
+             "--seed", "2", "--out", str(tmp_path)]
+    assert simulate.run(parser.parse_args(flags + ["--can-wait", "0.2",
+                                                   "--jobs-max-depth", "300"])) == 0
+    jobs = json.loads((tmp_path / "report.json").read_text())["jobs"]
+    assert 0 < jobs["accepted"] <= jobs["done"] + 300 and jobs["lost"] == 0
+    assert jobs["max_depth"] == 300 and jobs["can_wait"] == 0.2
+    assert "jobs (20% could wait)" in capsys.readouterr().out
+    assert simulate.run(parser.parse_args(flags + ["--can-wait", "1.5"])) == simulate.EXIT_CONFIG
+    assert "can_wait" in capsys.readouterr().err
 
 
 def test_command_refuses_a_bad_setting(tmp_path: Path, capsys: pytest.CaptureFixture[str]

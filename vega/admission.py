@@ -20,6 +20,9 @@ from vega.errors import VegaError
 from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES, SHEDDABLE
 
 MIN_RETRY_MS = 50.0
+# A Reach has room while fewer batches wait handed off than this many per lent thread
+# (the overflow channel and the simulator's model of it both read it from here).
+PENDING_PER_SPARE = 2
 
 
 @dataclass(frozen=True)

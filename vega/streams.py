@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from vega.admission import PENDING_PER_SPARE
 from vega.batcher import Batcher
 from vega.channel.keys import (
     BLOCK_MS,
@@ -56,7 +57,6 @@ from vega.records import PRIORITY_NAMES, Batch
 log = logging.getLogger("vega.streams")
 
 REPLY_CODES = frozenset({"model_error", "declined", "dead_letter"})
-PENDING_PER_SPARE = 2  # batches handed off at once per thread the peers can lend
 # KEYS[1] the overflow stream, ARGV group and entry id: -1 if a consumer has read the entry,
 # else the entries deleted (1: it was still waiting; 0: it had left the stream already).
 _DELETE_UNLESS_DELIVERED = """

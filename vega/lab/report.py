@@ -1,49 +1,13 @@
-"""Run reports: per-request records and polled snapshots → one JSON dict → PNG plots.
+"""Run reports: per-request records and polled snapshots → one JSON dict and a summary.
 
-Used by the load generator (``vega bench``) and meant for anything else that
-produces requests and answers (the simulator): nothing here does I/O except
-``write_json`` and ``write_plots``, and nothing keeps a list of every request.
-
-Interface
----------
-``Record(t_sched, latency_s, status, reason, priority, deadline_s)``
-    One request. ``t_sched``: seconds from the run's start at which it was
-    *scheduled* to be sent; ``latency_s``: from ``t_sched`` to its answer (None if
-    none came); ``status``: HTTP status, or 0 when no answer came; ``reason``:
-    ``error.code`` of a non-200 (``""`` for 200), or for status 0 one of
-    ``NO_ANSWER`` ("unsent": still queued client-side at the end, "timeout",
-    "connection"); ``priority``: "critical" | "normal" | "sheddable";
-    ``deadline_s``: the deadline it carried, relative to ``t_sched``.
-
-``Tally(bin_s)`` with ``.add(record)``
-    Accumulates records as they finish (counts, goodput, HDR histograms per class
-    and per time bin). Bins are ``bin_s`` wide, by ``t_sched`` for offered load and
-    latency, by answer time (``t_sched + latency_s``) for answered rates.
-
-``Snapshot``: ``{"t": seconds, "depth": {class: n}}`` — queue depth polled during the
-    run (more keys are kept but not plotted).
-
-``Distribution``: ``{"le": [upper bounds as text, ..., "+Inf"], "counts": [per bucket,
-    not cumulative], "count": n, "sum": s}`` — batch size and padding ratio.
-    Build one with ``distribution(values, bounds)`` or, from two ``/metrics`` texts,
-    ``distribution_delta(prometheus_histogram(before, name), prometheus_histogram(after,
-    name))``.
-
-``build_report(records, *, snapshots=(), batches=None, meta=None, duration_s=None,
-    bin_s=None) -> dict``
-    ``records`` is a Tally or any iterable of Record; ``batches`` maps "size" and
-    "padding" to a Distribution; ``meta`` is copied as is (the run's settings).
-    Goodput is answers with status 200 within their deadline, per second
-    (DESIGN.md rule 10). Latencies in the report are milliseconds.
-
-``write_json(report, path) -> Path``, ``write_plots(report, out_dir) -> list[Path]``
-    (rates.png, latency.png, queue.png, batches.png; a plot without data is skipped),
-    ``format_summary(report) -> str`` (the few lines printed after a run).
+The load generator (``vega bench``) and the simulator (``vega simulate``) both feed
+their requests and answers through here, so the two write the same report; nothing
+here does I/O except ``write_json``, nothing keeps a list of every request, and the
+plots drawn from a report are ``vega.lab.plots``'s.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -53,8 +17,6 @@ import orjson
 
 from vega.lab.hdr import Histogram
 
-log = logging.getLogger("vega.lab.report")
-
 PRIORITIES = ("critical", "normal", "sheddable")
 NO_ANSWER = ("unsent", "timeout", "connection")
 REFUSED_STATUSES = frozenset({429, 503})
@@ -63,6 +25,13 @@ SETTLE_S = 1.0  # latency_ms_after_1s: 200s sent from here on (from a bin bounda
 
 
 class Record(NamedTuple):
+    """One request. ``t_sched``: seconds from the run's start at which it was *scheduled*
+    to be sent; ``latency_s``: from ``t_sched`` to its answer (None if none came);
+    ``status``: HTTP status, or 0 when no answer came; ``reason``: ``error.code`` of a
+    non-200 (``""`` for 200), or for status 0 one of ``NO_ANSWER`` ("unsent": still queued
+    client-side at the end, "timeout", "connection"); ``priority``: "critical" | "normal" |
+    "sheddable"; ``deadline_s``: the deadline it carried, relative to ``t_sched``."""
+
     t_sched: float
     latency_s: float | None
     status: int
@@ -72,6 +41,12 @@ class Record(NamedTuple):
 
 
 class Distribution(TypedDict):
+    """Batch size or padding ratio: ``le`` upper bounds as text (the last "+Inf"),
+    ``counts`` per bucket (not cumulative), ``count`` and ``sum``. Built by
+    ``distribution(values, bounds)`` or, from two ``/metrics`` texts, by
+    ``distribution_delta(prometheus_histogram(before, name), prometheus_histogram(after,
+    name))``."""
+
     le: list[str]
     counts: list[float]
     count: float
@@ -90,7 +65,10 @@ def outcome(status: int, reason: str) -> str:
 
 
 class Tally:
-    """Everything a report needs, accumulated one record at a time."""
+    """Everything a report needs, accumulated one record at a time (``add``): counts,
+    goodput, HDR histograms per class and per time bin. Bins are ``bin_s`` wide, by
+    ``t_sched`` for offered load and latency, by answer time (``t_sched + latency_s``)
+    for answered rates."""
 
     def __init__(self, bin_s: float = 1.0) -> None:
         if not bin_s > 0:
@@ -159,7 +137,12 @@ def build_report(records: Tally | Iterable[Record], *,
                  meta: Mapping[str, Any] | None = None,
                  duration_s: float | None = None, bin_s: float | None = None
                  ) -> dict[str, Any]:
-    """The JSON report (see the module docstring)."""
+    """The JSON report. ``records`` is a Tally or any iterable of Record; ``snapshots``
+    are ``{"t": seconds, "depth": {class: n}, ...}`` polled during the run (keys past
+    those two are kept, not plotted); ``batches`` maps "size" and "padding" to a
+    Distribution; ``meta`` is copied as is (the run's settings). Goodput is answers with
+    status 200 within their deadline, per second (DESIGN.md rule 10); latencies in the
+    report are milliseconds."""
     if isinstance(records, Tally):
         tally = records
     else:
@@ -330,6 +313,26 @@ def distribution_delta(before: Distribution | None, after: Distribution | None
             "count": after["count"] - before["count"], "sum": after["sum"] - before["sum"]}
 
 
+JOB_ENDS = ("done", "failed", "expired", "cancelled")  # a job's final states
+
+
+def jobs_section(share: float, accepted: int, ended: Mapping[str, int],
+                 last_finished_s: float | None, load_s: float, latency: Histogram,
+                 **extra: Any) -> dict[str, Any]:
+    """The report's ``jobs``: requests that could wait (``share`` of them) and became jobs.
+
+    ``ended`` counts jobs by final state (``JOB_ENDS``); ``lost`` is what was accepted
+    and never reached one. ``last_finished_s`` is when the last job that ran (done or
+    failed) finished, from the run's start; ``load_s`` is when the load ended (the last
+    scheduled send); ``latency`` holds done jobs' times from scheduled send to finish."""
+    counts = {state: int(ended.get(state, 0)) for state in JOB_ENDS}
+    last = None if last_finished_s is None else round(last_finished_s, 3)
+    return {"can_wait": share, "accepted": accepted, **counts,
+            "lost": accepted - sum(counts.values()), "last_finished_s": last,
+            "last_finished_after_load_s": None if last is None else round(last - load_s, 3),
+            "latency_ms": latency.summary_ms(), **extra}
+
+
 def write_json(report: Mapping[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -363,128 +366,15 @@ def format_summary(report: Mapping[str, Any]) -> str:
         tail = f"p50 {lat['p50']} p99 {lat['p99']} ms" if lat.get("count") else "no 200s"
         lines.append(f"  {p:<9} offered {c['offered']:<8} goodput {c['goodput']}/s "
                      f"({100 * c['goodput_ratio']:.1f}%)  {tail}")
+    jobs = report.get("jobs")
+    if jobs:
+        lines.append(f"jobs ({100 * jobs['can_wait']:g}% could wait): accepted "
+                     f"{jobs['accepted']}  " + "  ".join(f"{state} {jobs[state]}" for state
+                                                          in JOB_ENDS) + f"  lost {jobs['lost']}")
+        if jobs["last_finished_s"] is not None:
+            lat = jobs["latency_ms"]
+            tail = (f"; done jobs from send to finish: p50 {lat['p50'] / 1000:.1f} s  p99 "
+                    f"{lat['p99'] / 1000:.1f} s" if lat.get("count") else "")
+            lines.append(f"  last job finished {jobs['last_finished_after_load_s']} s after "
+                         f"the load ended{tail}")
     return "\n".join(lines)
-
-
-# --- plots ------------------------------------------------------------------------
-
-CLASS_COLORS = {"critical": "tab:red", "normal": "tab:blue", "sheddable": "tab:green"}
-
-
-def _outcome_color(label: str, index: int) -> str:
-    if label == "200":
-        return "tab:green"
-    if label.startswith("429"):
-        return ("tab:orange", "gold", "chocolate", "sandybrown", "peru")[index % 5]
-    if label.startswith("503"):
-        return "tab:purple"
-    if label.startswith("504"):
-        return "darkred"
-    if label.startswith("no answer"):
-        return "grey"
-    return "black"
-
-
-def write_plots(report: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
-    """PNG plots of ``report`` into ``out_dir``; returns the files written (none, with a
-    warning, where matplotlib, the ``plots`` extra, is not installed)."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        log.warning("plots skipped: matplotlib is not installed (pip install 'vega[plots]')")
-        return []
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, draw in (("rates.png", _plot_rates), ("latency.png", _plot_latency),
-                       ("queue.png", _plot_queue), ("batches.png", _plot_batches)):
-        fig = Figure(figsize=(11, 6), layout="constrained")
-        if draw(fig, report):
-            fig.savefig(out / name, dpi=100)
-            written.append(out / name)
-    return written
-
-
-def _title(fig: Any, report: Mapping[str, Any], what: str) -> None:
-    meta = report.get("meta", {})
-    where = " ".join(str(meta[k]) for k in ("mode", "profile", "url") if meta.get(k))
-    fig.suptitle(f"{what} — {where}" if where else what)
-
-
-def _plot_rates(fig: Any, report: Mapping[str, Any]) -> bool:
-    tl = report["timeline"]
-    if not tl["t"]:
-        return False
-    ax = fig.subplots()
-    t = tl["t"]
-    labels = list(tl["answered"])
-    labels.sort(key=lambda k: (k != "200", k))
-    if labels:
-        ax.stackplot(t, [tl["answered"][k] for k in labels], step="post",
-                     labels=[f"answered {k}" for k in labels],
-                     colors=[_outcome_color(k, i) for i, k in enumerate(labels)], alpha=0.75)
-    ax.step(t, tl["offered"], where="post", color="black", linewidth=1.5, label="offered")
-    ax.step(t, tl["goodput"], where="post", color="navy", linestyle="--", linewidth=1.5,
-            label="goodput (200 within deadline)")
-    ax.set_xlabel(f"time since start (s), bins of {tl['bin_s']}s")
-    ax.set_ylabel("requests / s")
-    ax.legend(loc="upper left", fontsize="small")
-    ax.grid(alpha=0.3)
-    _title(fig, report, "Offered vs answered rate by outcome")
-    return True
-
-
-def _plot_latency(fig: Any, report: Mapping[str, Any]) -> bool:
-    series = report["timeline"]["latency_ms"]
-    if not series:
-        return False
-    t = report["timeline"]["t"]
-    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (p, by_q) in zip(axes, series.items()):
-        for (q, values), style in zip(by_q.items(), ("-", "--", ":")):
-            ys = [math.nan if v is None else v for v in values]
-            ax.plot(t, ys, linestyle=style, color=CLASS_COLORS.get(p, "black"), label=q)
-        for d in report["classes"].get(p, {}).get("deadline_ms", [])[:1]:
-            ax.axhline(d, color="grey", linewidth=0.8, label=f"deadline {d:g} ms")
-        if any(v for values in by_q.values() for v in values if v):
-            ax.set_yscale("log")
-        ax.set_ylabel(f"{p}\nms")
-        ax.legend(loc="upper left", fontsize="small")
-        ax.grid(alpha=0.3, which="both")
-    axes[-1].set_xlabel("scheduled send time (s); latency of 200s, from scheduled send")
-    _title(fig, report, "Latency percentiles per class")
-    return True
-
-
-def _plot_queue(fig: Any, report: Mapping[str, Any]) -> bool:
-    queue = report.get("queue")
-    if not queue or not queue["t"]:
-        return False
-    ax = fig.subplots()
-    for p, values in queue["depth"].items():
-        ax.step(queue["t"], values, where="post", color=CLASS_COLORS.get(p, "black"), label=p)
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("queued items")
-    ax.legend(loc="upper left", fontsize="small")
-    ax.grid(alpha=0.3)
-    _title(fig, report, "Queue depth per class (polled /v1/status)")
-    return True
-
-
-def _plot_batches(fig: Any, report: Mapping[str, Any]) -> bool:
-    batches = report.get("batches") or {}
-    shown = [(k, batches[k]) for k in ("size", "padding") if batches.get(k)]
-    if not shown:
-        return False
-    axes = fig.subplots(1, len(shown), squeeze=False)[0]
-    titles = {"size": "batch size (items, ≤ bound)", "padding": "padding ratio (≤ bound)"}
-    for ax, (key, dist) in zip(axes, shown):
-        ax.bar(range(len(dist["counts"])), dist["counts"], color="tab:blue")
-        ax.set_xticks(range(len(dist["le"])), dist["le"], rotation=45, fontsize="small")
-        mean = dist["sum"] / dist["count"] if dist["count"] else 0.0
-        ax.set_title(f"{titles[key]}: {int(dist['count'])} batches, mean {mean:.3g}")
-        ax.set_ylabel("batches")
-        ax.grid(alpha=0.3, axis="y")
-    _title(fig, report, "Batches formed during the run (/metrics before/after)")
-    return True

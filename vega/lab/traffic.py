@@ -300,6 +300,15 @@ def plan(options: Mapping[str, Any], rng: np.random.Generator) -> Arrivals:
     return Arrivals(t, priority, length)
 
 
+def can_wait(n: int, share: float, seed: int | None) -> npt.NDArray[np.bool_]:
+    """Which of ``n`` arrivals can wait; drawn apart from the arrivals themselves, so a
+    share changes nothing else about a seeded run."""
+    if share <= 0:
+        return np.zeros(n, dtype=np.bool_)
+    rng = np.random.default_rng(None if seed is None else [seed, 22])
+    return rng.random(n) < share
+
+
 # --- load generator options: one table for flags, spec files and defaults ---------
 
 def parse_bool(text: str) -> bool:
@@ -342,6 +351,10 @@ OPTIONS = (
     Opt("mix", "sheddable=70,normal=25,critical=5", str, "priority mix, class=weight,..."),
     Opt("lengths", "16", str, "sequence lengths: N, N=w,M=w,... or uniform:LO:HI"),
     Opt("deadline_ms", "1000", str, "deadline sent with each request: MS or class=MS,..."),
+    Opt("can_wait", 0.0, float, "share of requests (0..1) that can wait: sent with Prefer: "
+        "respond-async, a 202 is followed by polling its job until it ends"),
+    Opt("job_ttl_s", 600.0, float, "how long a job's caller waits for it: an accepted job "
+        "not ended by then (and drain_s more) counts as lost"),
     Opt("connections", 16, int, "closed: connections; open: connections opened at start"),
     Opt("max_connections", 256, int, "open: most connections; past it requests queue "
         "client-side (reported as backlog)"),
@@ -401,9 +414,12 @@ def resolve(flags: Mapping[str, Any]) -> dict[str, Any]:
     options.update({o.name: flags[o.name] for o in OPTIONS if flags.get(o.name) is not None})
     if options["profile"] == "step" and options["steps"]:
         options["duration_s"] = sum(s for _, s in parse_steps(options["steps"]))
-    for name in ("rate", "duration_s", "connections", "max_connections", "timeout_s"):
+    for name in ("rate", "duration_s", "connections", "max_connections", "timeout_s",
+                 "job_ttl_s"):
         if not options[name] > 0:
             raise TrafficError(f"{name} must be > 0, not {options[name]}")
+    if not 0.0 <= options["can_wait"] <= 1.0:
+        raise TrafficError(f"can_wait must be between 0 and 1, not {options['can_wait']}")
     options["max_connections"] = max(options["max_connections"], options["connections"])
     return options
 
