@@ -225,9 +225,10 @@ SPECS: tuple[Spec, ...] = (
     Spec("redis_timeout_ms", "100", _float(1, 10_000), "a number 1-10000",
          "Longest wait for one Redis command; past it the batch is served locally."),
     Spec("claim_idle_ms", "2000", _int(10), "an integer >= 10",
-         "A stolen batch pending this long (its thief died) is reclaimed."),
+         "A stolen batch or a job pending this long (its process died) is reclaimed."),
     Spec("max_attempts", "3", _int(1, 100), "an integer 1-100",
-         "Hand-offs of one batch before it goes to the dead-letter stream."),
+         "Hand-offs of one batch, or runs of one job, before it goes to the dead-letter "
+         "stream (a job is then failed)."),
     Spec("heartbeat_ms", "1000", _int(50), "an integer >= 50",
          "How often this process writes its state to Redis (TTL: 3 beats + 0.5 s)."),
     Spec("stream_maxlen", "10000", _int(100), "an integer >= 100",
@@ -260,6 +261,17 @@ SPECS: tuple[Spec, ...] = (
          "Backlog or refusals must last this long before the suggested processes grow."),
     Spec("capacity_shrink_s", "60", _float(0), "a number >= 0",
          "The process must be idle this long before the suggested processes shrink."),
+    Spec("jobs_max_depth", "10000", _int(1), "an integer >= 1",
+         "Most jobs queued or running per model (POST /v1/jobs past it: 429 queue_full); "
+         "without VEGA_REDIS_URL they are held in this process's memory."),
+    Spec("jobs_default_ttl_s", "600", _float(0.001), "a number > 0",
+         "How long a job may wait to run when its body names no ttl_s."),
+    Spec("jobs_max_ttl_s", "86400", _float(0.001), "a number > 0",
+         "Longest ttl_s a job may ask for; longer ones are capped."),
+    Spec("jobs_result_ttl_s", "3600", _float(1), "a number >= 1",
+         "How long a finished job's result (or its failure) is kept for GET /v1/jobs/{id}."),
+    Spec("jobs_drain_target_s", "300", _float(1), "a number >= 1",
+         "The capacity signal suggests enough processes to drain the job backlog in this long."),
     Spec("capacity_target", "0.75", _float(0.05, 1), "a number 0.05-1",
          "Executor utilisation the suggested number of processes plans for."),
 )
@@ -327,6 +339,11 @@ class Settings:
     capacity_grow_s: float
     capacity_shrink_s: float
     capacity_target: float
+    jobs_max_depth: int
+    jobs_default_ttl_s: float
+    jobs_max_ttl_s: float
+    jobs_result_ttl_s: float
+    jobs_drain_target_s: float
 
     def __repr__(self) -> str:
         return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.public().items())})"
@@ -420,6 +437,10 @@ def _check_together(s: Settings) -> None:
         raise ConfigError(
             f"VEGA_DEFAULT_DEADLINE_MS={s.default_deadline_ms} is not allowed: expected a "
             f"number <= VEGA_MAX_DEADLINE_MS ({s.max_deadline_ms})")
+    if s.jobs_default_ttl_s > s.jobs_max_ttl_s:
+        raise ConfigError(
+            f"VEGA_JOBS_DEFAULT_TTL_S={s.jobs_default_ttl_s} is not allowed: expected a "
+            f"number <= VEGA_JOBS_MAX_TTL_S ({s.jobs_max_ttl_s})")
     if s.fallback_model and s.fallback_model == s.model:
         raise ConfigError(
             f"VEGA_FALLBACK_MODEL={s.fallback_model!r} is not allowed: expected a model "

@@ -38,6 +38,7 @@ from vega.httpio import (
     parse_priority,
     read_body,
 )
+from vega.jobs.routes import TURNED, JobsApi, wants_async
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from vega.models import ModelAdapter
 from vega.oip.routes import oip_routes
@@ -100,6 +101,7 @@ class Api:
                                    s.cache_redis_ttl_s) if cached else None
         self.idempotency = Idempotency(s.idempotency_ttl_s, s.idempotency_max_keys, metrics,
                                        self.side)
+        self.jobs = JobsApi(runtime, parse_infer_body)  # the async lane (vega/jobs/)
 
     async def close(self) -> None:
         if self.cache is not None:
@@ -120,6 +122,7 @@ class Api:
         """The reply to one /v1 inference request, and the priority it was taken at."""
         runtime = self.runtime
         priority = NORMAL
+        body: bytes | None = None  # kept only for Prefer: respond-async
         try:
             runtime.check_open()
             # Refuse before reading the body when even the most favoured class this
@@ -130,8 +133,10 @@ class Api:
             if runtime.fallback_for(served, claimed) is None:  # else the fallback may take it
                 served.admission.precheck(claimed)
             key = self.idempotency.key_of(request.headers.get("idempotency-key"))
-            call, body_print = self.parse(request, name, await read_body(
-                request, self.settings.max_body_bytes), keyed=key is not None)
+            raw = await read_body(request, self.settings.max_body_bytes)
+            body = raw if wants_async(request) else None
+            call, body_print = self.parse(request, name, raw, keyed=key is not None)
+            del raw
             priority = call.priority
             if key is None:
                 reply = await self.answer(call)
@@ -139,6 +144,8 @@ class Api:
                 reply = await self.answer_once(call, key, body_print)
         except VegaError as error:
             reply = self.refusal(request, error)
+        if reply.outcome in TURNED and wants_async(request):
+            reply = await self.jobs.turn(request, name, body, reply)
         return reply, priority
 
     def parse(self, request: Request, name: str, body: bytes,
@@ -271,6 +278,7 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
     routes += oip_routes(runtime)
+    routes += api.jobs.routes()
     app: ASGIApp = HotRoutes(Starlette(routes=routes, lifespan=lifespan), hot, api.infer)
     app = BearerAuthMiddleware(app, tokens=settings.auth_tokens.split(","),
                                open_paths=[p.strip() for p in settings.auth_open_paths.split(",")])
