@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 
@@ -100,3 +101,22 @@ def test_jobs_held_by_a_killed_process_are_finished_by_the_other_none_twice(pair
     status = httpx.get(pair.b.url + "/v1/status", timeout=5).json()["models"]["echo"]["jobs"]
     assert status["durable"] is True and "note" not in status
     assert metric(pair.b, "vega_jobs_reclaimed_total", model="echo") >= 1  # A's, taken over
+
+
+@pytest.mark.parametrize("model", ["sensor", "python:tests.models:encoder"])
+def test_jobs_at_default_settings_with_the_built_in_and_an_eager_module(
+        vega: Callable[..., VegaProcess], model: str) -> None:
+    # No Redis: the embedded store; the eager module runs in a model process by default.
+    proc = vega(VEGA_MODEL=model)
+    body = {"instances": [tagged(1, length=20), tagged(2, length=70)]}
+    inline = httpx.post(proc.url + "/v1/infer", content=orjson.dumps(body), timeout=30)
+    accepted = submit(proc, body)
+    assert accepted.status_code == 202
+    final = wait_until(lambda: (d := job(proc, accepted.json()["id"]))["status"] == "done" and d,
+                       60, "job done")
+    np.testing.assert_allclose(final["outputs"], inline.json()["outputs"], atol=1e-5)
+    status = httpx.get(proc.url + "/v1/status", timeout=5).json()
+    jobs = next(iter(status["models"].values()))["jobs"]
+    assert jobs["durable"] is False and "lost" in jobs["note"]
+    if "encoder" in model:
+        assert status["executor"]["kind"] == "process"
