@@ -29,7 +29,7 @@ from typing import Any
 from vega.buckets import line_at
 from vega.config import Settings, length_bounds
 from vega.errors import VegaError
-from vega.records import CRITICAL, PRIORITY_NAMES, Batch, Item
+from vega.records import CLASS_NAMES, CRITICAL, JOB, PRIORITY_NAMES, Batch, Item
 from vega.timing import BatchTimes, ServiceRate
 
 log = logging.getLogger("vega.batcher")
@@ -43,6 +43,8 @@ log = logging.getLogger("vega.batcher")
 # with each bucket's own lead, long buckets always fell due first (docs/tuning.md).
 FORM_AHEAD = 0.3
 FORM_AHEAD_MIN_S = 0.002
+
+INLINE, JOBS = slice(0, JOB), slice(JOB, JOB + 1)
 
 Sink = Callable[[Batch], Awaitable[None]]
 BatchObserver = Callable[[Batch], None]
@@ -83,11 +85,14 @@ class Batcher:
         self.rate = ServiceRate(config.parallelism)
         self._sink = sink
         self._on_batch_done = on_batch_done
-        self._queues = [[deque[Item]() for _ in PRIORITY_NAMES] for _ in config.buckets]
-        self._bucket_depth = [0] * len(config.buckets)
-        self._counts = [[0] * len(PRIORITY_NAMES) for _ in config.buckets]
-        self._depth = [0] * len(PRIORITY_NAMES)
-        self._cost = [0.0] * len(PRIORITY_NAMES)
+        self._queues = [[deque[Item]() for _ in CLASS_NAMES] for _ in config.buckets]
+        self._bucket_depth = [0] * len(config.buckets)  # inline items only
+        self._job_bucket_depth = [0] * len(config.buckets)
+        self._counts = [[0] * len(CLASS_NAMES) for _ in config.buckets]
+        self._depth = [0] * len(CLASS_NAMES)
+        self._cost = [0.0] * len(CLASS_NAMES)
+        self._inline_clear = asyncio.Event()  # set while no inline item is queued
+        self._inline_clear.set()
         self._wake = asyncio.Event()
         self._running = False  # while run() is looping
         # Each batch in flight, with when it is predicted to start and to end (loop clock).
@@ -118,14 +123,20 @@ class Batcher:
     # -- values read by admission, metrics and status ------------------------------
 
     def depth(self, priority: int | None = None) -> int:
-        return sum(self._depth) if priority is None else self._depth[priority]
+        """Items queued of ``priority``, or of every inline class (job items apart)."""
+        return sum(self._depth[:JOB]) if priority is None else self._depth[priority]
+
+    async def wait_no_inline(self) -> None:
+        """Return once no inline item is queued: when the async lane may feed job items."""
+        while self._nonempty_since is not None:
+            await self._inline_clear.wait()
 
     @property
     def spare_threads(self) -> int:
         """Executor threads this batcher's own work leaves free now: what peers may borrow.
 
         Its own queued items come first (a process steals only when it has none)."""
-        if any(self._depth):
+        if any(self._depth[:JOB]):
             return 0
         return max(0, self.config.parallelism - len(self._inflight))
 
@@ -193,13 +204,19 @@ class Batcher:
     def _count(self, item: Item, sign: int) -> None:
         self._depth[item.priority] += sign
         self._cost[item.priority] += sign * item.cost
-        self._bucket_depth[item.bucket] += sign
         self._counts[item.bucket][item.priority] += sign
+        if sign > 0:
+            self._idle.clear()
+        if item.priority == JOB:  # job items make no queue stand and no inline wait
+            self._job_bucket_depth[item.bucket] += sign
+            return
+        self._bucket_depth[item.bucket] += sign
         if sign > 0 and self._nonempty_since is None:
             self._nonempty_since = item.enqueued_at
-            self._idle.clear()
-        elif sign < 0 and not any(self._depth):
+            self._inline_clear.clear()
+        elif sign < 0 and not any(self._depth[:JOB]):
             self._nonempty_since = None
+            self._inline_clear.set()
 
     def _maybe_idle(self) -> None:
         # Only ever set when truly idle, so a drain waiting on it cannot wake early
@@ -267,18 +284,25 @@ class Batcher:
         wake_at: float | None = None
         idle = self.config.dispatch_when_idle and len(self._inflight) < self.config.parallelism
         hold = self.config.dispatch_when_idle and not self.config.hands_off
+        lane, depth = self._lane()
+        if lane is JOBS:
+            # A job batch goes only to a free thread, never formed ahead: an inline item
+            # arriving then waits for at most the rest of one batch, not a queue of them.
+            if len(self._inflight) >= self.config.parallelism:
+                return None, None  # a finishing batch wakes the loop
+            idle = True
         form_at = self._next_form_at(now) if hold and not idle else now
         for bucket, queues in enumerate(self._queues):
-            if not self._bucket_depth[bucket]:
+            if not depth[bucket]:
                 continue
-            heads = [_front(queue) for queue in queues]
+            heads = [_front(queue) for queue in queues[lane]]
             if all(item is None for item in heads):
                 # Counted but no longer live: answered or cancelled, and its done
                 # callback (which fixes the counts) has not run yet.
                 continue
             oldest = min(item.enqueued_at for item in heads if item is not None)
             ready_at = oldest + self.config.max_wait_s
-            full = self._bucket_depth[bucket] >= self.config.max_batch_size
+            full = depth[bucket] >= self.config.max_batch_size
             if full and form_at > now:  # formed now, it would only wait behind the running batch
                 wake_at = form_at if wake_at is None else min(wake_at, form_at)
                 continue
@@ -328,6 +352,13 @@ class Batcher:
         return Batch(model=self.config.model, bucket=top, items=items, formed_at=now,
                      pad_to=pad_to)
 
+    def _lane(self) -> tuple[slice, list[int]]:
+        """The classes the next batch takes, and their depth per bucket: the inline
+        classes while any inline item is queued, else the job class (never both)."""
+        if self._nonempty_since is not None:
+            return INLINE, self._bucket_depth
+        return JOBS, self._job_bucket_depth
+
     def _shares(self, bucket: int) -> dict[int, int]:
         """How many items each bucket gives the batch formed for ``bucket``.
 
@@ -337,7 +368,7 @@ class Batcher:
         than another forward pass.
         """
         cap = self.config.max_batch_size
-        depth = self._bucket_depth
+        _, depth = self._lane()
         size = min(cap, depth[bucket])
         shares = {bucket: size}
         low = high = bucket
@@ -366,7 +397,8 @@ class Batcher:
               lifo: bool) -> None:
         """Move up to ``count`` live items of ``bucket`` into ``items``, critical first."""
         taken = 0
-        for queue in self._queues[bucket]:
+        lane, _ = self._lane()
+        for queue in self._queues[bucket][lane]:
             while queue and taken < count:
                 item = queue.pop() if lifo else queue.popleft()
                 if not item.live:
@@ -387,7 +419,7 @@ class Batcher:
         hold their places (and make the bucket look oldest) until their deadline.
         """
         oldest_allowed = now - self.config.standing_after_s
-        for priority, queue in enumerate(self._queues[bucket]):
+        for priority, queue in enumerate(self._queues[bucket][:JOB]):
             if priority == CRITICAL:
                 continue
             while queue and (not queue[0].live or queue[0].enqueued_at < oldest_allowed):

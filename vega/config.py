@@ -240,9 +240,10 @@ class Settings:
     redis_timeout_ms: float = setting("100", _float(1, 10_000), "a number 1-10000",
         "Longest wait for one Redis command; past it the batch is served locally.")
     claim_idle_ms: int = setting("2000", _int(10), "an integer >= 10",
-        "A stolen batch pending this long (its thief died) is reclaimed.")
+        "A stolen batch or a job pending this long (its process died) is reclaimed.")
     max_attempts: int = setting("3", _int(1, 100), "an integer 1-100",
-        "Hand-offs of one batch before it goes to the dead-letter stream.")
+        "Hand-offs of one batch, or runs of one job, before it goes to the dead-letter "
+        "stream (a job is then failed).")
     heartbeat_ms: int = setting("1000", _int(50), "an integer >= 50",
         "How often this process writes its state to Redis (TTL: 3 beats + 0.5 s).")
     stream_maxlen: int = setting("10000", _int(100), "an integer >= 100",
@@ -269,6 +270,17 @@ class Settings:
         "(they also go there whenever the main model would refuse them).")
     degrade_classes: tuple[str, ...] = setting("normal,sheddable", _classes,
         "classes, comma separated, or empty", "Classes that may be served by the fallback model.")
+    jobs_max_depth: int = setting("10000", _int(1), "an integer >= 1",
+        "Most jobs queued or running per model (POST /v1/jobs past it: 429 queue_full); "
+        "without VEGA_REDIS_URL they are held in this process's memory.")
+    jobs_default_ttl_s: float = setting("600", _float(0.001), "a number > 0",
+        "How long a job may wait to run when its body names no ttl_s.")
+    jobs_max_ttl_s: float = setting("86400", _float(0.001), "a number > 0",
+        "Longest ttl_s a job may ask for; longer ones are capped.")
+    jobs_result_ttl_s: float = setting("3600", _float(1), "a number >= 1",
+        "How long a finished job's result (or its failure) is kept for GET /v1/jobs/{id}.")
+    jobs_drain_target_s: float = setting("300", _float(1), "a number >= 1",
+        "The capacity signal suggests enough processes to drain the job backlog in this long.")
     capacity_sample_s: float = setting("1", _float(0.05, 60), "a number 0.05-60",
         "How often the capacity signal samples load.")
     capacity_grow_s: float = setting("5", _float(0), "a number >= 0",
@@ -376,6 +388,10 @@ def _check_together(s: Settings) -> None:
         raise ConfigError(
             f"VEGA_DEFAULT_DEADLINE_MS={s.default_deadline_ms} is not allowed: expected a "
             f"number <= VEGA_MAX_DEADLINE_MS ({s.max_deadline_ms})")
+    if s.jobs_default_ttl_s > s.jobs_max_ttl_s:
+        raise ConfigError(
+            f"VEGA_JOBS_DEFAULT_TTL_S={s.jobs_default_ttl_s} is not allowed: expected a "
+            f"number <= VEGA_JOBS_MAX_TTL_S ({s.jobs_max_ttl_s})")
     if s.fallback_model and s.fallback_model == s.model:
         raise ConfigError(
             f"VEGA_FALLBACK_MODEL={s.fallback_model!r} is not allowed: expected a model "

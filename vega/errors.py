@@ -8,6 +8,8 @@ STATUS_BY_CODE: dict[str, int] = {
     "invalid_json": 400,
     "unauthorized": 401,
     "model_not_found": 404,
+    "job_not_found": 404,
+    "conflict": 409,
     "payload_too_large": 413,
     "invalid_input": 422,
     "rate_limited": 429,

@@ -108,6 +108,23 @@ class Metrics:
             "vega_suggested_processes",
             "Processes this one suggests for the observed load (with hysteresis)", registry=r)
 
+        # The async lane (vega/jobs/): a dashboard reads these names.
+        self.jobs_depth = Gauge("vega_jobs_depth", "Jobs queued (never delivered) or pending "
+                                "(claimed, not finished)", ["model", "state"], registry=r)
+        self.jobs_total = Counter("vega_jobs_total", "Jobs finished here, by outcome",
+                                  ["model", "outcome"], registry=r)
+        self.jobs_oldest_age = Gauge("vega_jobs_oldest_age_seconds",
+                                     "Age of the oldest job not finished", ["model"], registry=r)
+        self.jobs_dead_letters = Gauge("vega_jobs_dead_letters",
+                                       "Jobs failed and copied to the dead-letter stream",
+                                       ["model"], registry=r)
+        self.jobs_retried = Counter("vega_jobs_retried_total",
+                                    "Job runs that failed and were put back", ["model"],
+                                    registry=r)
+        self.jobs_reclaimed = Counter("vega_jobs_reclaimed_total",
+                                      "Jobs taken over from a process that stopped answering",
+                                      ["model"], registry=r)
+
     def observe_batch(self, batch: Batch) -> None:
         """Once per finished batch: sizes, padding, inference and queue waits."""
         model = batch.model

@@ -15,6 +15,10 @@ from typing import Any
 CRITICAL, NORMAL, SHEDDABLE = 0, 1, 2
 PRIORITY_NAMES = ("critical", "normal", "sheddable")
 PRIORITY_BY_NAME = {name: index for index, name in enumerate(PRIORITY_NAMES)}
+# The async lane's class, below sheddable: never admitted inline, batched only while no
+# inline item waits, and never in a batch with inline items (vega/jobs/).
+JOB = len(PRIORITY_NAMES)
+CLASS_NAMES = (*PRIORITY_NAMES, "job")
 
 _ids = itertools.count(1)
 

@@ -20,12 +20,13 @@ from vega.batcher import Batcher, BatcherConfig
 from vega.config import Settings
 from vega.errors import REFUSALS, VegaError
 from vega.executor import Executor, pick_device, process_plan
+from vega.jobs.lane import JobLane
 from vega.metrics import Metrics
 from vega.models import ModelAdapter, load_model
 from vega.models.loader import ModelLoadError
 from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
 from vega.pressure.pacing import RefusalPacer
-from vega.records import PRIORITY_BY_NAME, PRIORITY_NAMES, Batch, Item
+from vega.records import JOB, PRIORITY_BY_NAME, PRIORITY_NAMES, Batch, Item
 from vega.status import Reporter
 from vega.streams import Streams
 from vega.warmup import planned, seed_batch_times
@@ -73,7 +74,7 @@ class Runtime:
         self._degradable = frozenset(PRIORITY_BY_NAME[c] for c in settings.degrade_classes)
         self.capacity = Capacity(CapacityConfig(
             target=settings.capacity_target, grow_after_s=settings.capacity_grow_s,
-            shrink_after_s=settings.capacity_shrink_s))
+            shrink_after_s=settings.capacity_shrink_s, job_drain_s=settings.jobs_drain_target_s))
         self._capacity_task: asyncio.Task[None] | None = None
         self.device = "cpu"
         self.models: dict[str, Served] = {}
@@ -93,6 +94,7 @@ class Runtime:
         self.streams: Streams | None = None  # overflow to peers, with VEGA_REDIS_URL
         self.pacer = RefusalPacer(settings.refusal_rate, settings.refusal_max_hold_ms / 1000)
         self.reporter = Reporter(self)
+        self.jobs = JobLane(settings, self.node_id, self.metrics)  # the async lane
         self._local_batches = 0  # batches given to this process's executor, not yet done
 
     # -- lifecycle -----------------------------------------------------------------
@@ -136,6 +138,7 @@ class Runtime:
                                    {n: (m.adapter, m.batcher) for n, m in self.models.items()},
                                    self._run_local)
             self.streams.start()
+        self.jobs.start({n: (m.adapter, m.batcher) for n, m in self.models.items()})
         self._capacity_task = asyncio.create_task(
             sample_forever(self.capacity, self.reporter.capacity_sample, s.capacity_sample_s),
             name="capacity")
@@ -180,6 +183,7 @@ class Runtime:
     async def drain(self) -> None:
         """Stop admitting (503 draining) and wait for admitted work, bounded by the timeout."""
         self.draining = True
+        self.jobs.stop_taking()
         if self.streams is not None:
             self.streams.stealing = False
         self.metrics.ready.set(0)
@@ -198,6 +202,7 @@ class Runtime:
         if self._capacity_task is not None:
             self._capacity_task.cancel()
             await asyncio.gather(self._capacity_task, return_exceptions=True)
+        await self.jobs.stop()  # while the batchers still run what it holds
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()
             await asyncio.gather(self._starting, return_exceptions=True)
@@ -348,7 +353,7 @@ class Runtime:
         coroutine: the batcher's callback on it then runs before the handlers the
         batch answers, and starts the next batch first (Batcher._finished).
         """
-        if self.streams is not None:
+        if self.streams is not None and batch.items[0].priority != JOB:  # jobs move as jobs
             wait_s = self._local_wait_s(batch)
             if self.streams.worth_handing_off(batch, wait_s):
                 return self._offer_or_run(batch, self.streams, wait_s)

@@ -33,6 +33,7 @@ from vega.httpio import (
     parse_json,
     parse_priority,
 )
+from vega.jobs.routes import JobsApi
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from vega.models import ModelAdapter
 from vega.oip.routes import OipApi
@@ -191,7 +192,8 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
             await runtime.stop()
             await relief.close()
 
-    v1 = Guard(runtime, V1(runtime), stack, [relief.check_headers])
+    jobs = JobsApi(runtime, parse_infer_body)  # the async lane (vega/jobs/)
+    v1 = Guard(runtime, V1(runtime), stack, [relief.check_headers], later=jobs)
     oip = OipApi(runtime)
     v2 = Guard(runtime, oip, stack, [relief.check_headers])
     hot = [(Route("/v1/infer", v1, methods=["POST"]), v1),
@@ -205,6 +207,7 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         *oip.routes(),
+        *jobs.routes(),
     ]
     app: ASGIApp = HotRoutes(Starlette(routes=routes, lifespan=lifespan), hot)
     app = BearerAuthMiddleware(app, tokens=settings.auth_tokens.split(","),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import orjson
 from starlette.requests import Request
@@ -28,6 +29,7 @@ from vega.runtime import ClientGone, Runtime
 log = logging.getLogger("vega.stack")
 
 DISCONNECTED = Reply(499, b"", {}, "disconnected", None)
+LOAD_REFUSALS = frozenset({"shed", "queue_full", "deadline_unmeetable"})  # may become jobs
 
 
 def core(runtime: Runtime) -> Handler:
@@ -96,15 +98,28 @@ def idempotent(store: Idempotency, inner: Handler) -> Handler:
     return once
 
 
+class Later(Protocol):
+    """What a request refused for load may become instead: a job (vega.jobs)."""
+
+    def wants(self, request: Request) -> bool:
+        """Whether the caller would take that (``Prefer: respond-async``)."""
+
+    async def turn(self, request: Request, model: str, body: bytes | None,
+                   refused: Reply) -> Reply:
+        """The reply instead of ``refused``; ``body`` is None when it was not read."""
+
+
 class Guard:
     """One protocol's inference endpoint over the shared stack."""
 
     def __init__(self, runtime: Runtime, dialect: Dialect, handler: Handler,
-                 checks: Sequence[Callable[[Request], object]] = ()) -> None:
+                 checks: Sequence[Callable[[Request], object]] = (),
+                 later: Later | None = None) -> None:
         self.runtime = runtime
         self.dialect = dialect
         self.handler = handler
         self.checks = checks  # of the headers, before the body is read (raise VegaError)
+        self.later = later
         self.max_body_bytes = runtime.settings.max_body_bytes
 
     async def __call__(self, request: Request) -> Response:
@@ -117,6 +132,8 @@ class Guard:
     async def reply(self, request: Request) -> tuple[Reply, str, int]:
         """The reply to one request, the model it asked for and the class it was taken at."""
         model, priority = "", NORMAL
+        later = self.later if self.later is not None and self.later.wants(request) else None
+        kept: bytes | None = None  # the body, only for a refusal that may become a job
         try:
             model = self.dialect.model(request)
             # Refuse before reading the body when even the most favoured class this
@@ -127,19 +144,23 @@ class Guard:
             for check in self.checks:
                 check(request)
             body = await read_body(request, self.max_body_bytes)
+            kept = body if later is not None else None
             call = self.dialect.parse(request, model, body,
                                       keyed="idempotency-key" in request.headers)
             del body
             priority = call.priority
-            return await self.handler(call), model, priority
+            reply = await self.handler(call)
         except VegaError as error:
-            return self.refusal(request, error), model, priority
+            reply = self.refusal(request, error)
         except ClientGone:
             return DISCONNECTED, model, priority
         except Exception:
             log.exception("request %s: internal error", request.scope.get("vega.request_id"))
             internal = VegaError("internal_error", "internal error; the server's log has the details")
             return self.dialect.refusal(internal), model, priority
+        if later is not None and reply.outcome in LOAD_REFUSALS:
+            reply = await later.turn(request, model, kept, reply)
+        return reply, model, priority
 
     def refusal(self, request: Request, error: VegaError) -> Reply:
         if error.status >= 500:
@@ -148,24 +169,28 @@ class Guard:
         return self.dialect.refusal(error)
 
     async def conclude(self, model: str, priority: int, outcome: str, started: float) -> None:
-        """Count one answer (a 200 with its time since ``started``), then hold it if it is a
-        refusal past VEGA_REFUSAL_RATE, until its turn (vega/pressure/pacing.py).
+        await conclude(self.runtime, model, priority, outcome, started)
 
-        Called once the frame that read and parsed the request has returned, so a held
-        refusal keeps nothing of its request alive (under a flood hundreds are held at
-        once, and their parsed bodies would be rescanned by every garbage collection).
-        """
-        runtime = self.runtime
-        loop = asyncio.get_running_loop()
-        metrics = runtime.metrics
-        model = model if model in runtime.models else "_unknown"
-        label = PRIORITY_NAMES[priority]
-        metrics.requests.labels(model, label, outcome).inc()
-        if outcome in REFUSALS:
-            metrics.rejections.labels(model, label, outcome).inc()
-        if outcome == "ok":
-            metrics.request_seconds.labels(model).observe(loop.time() - started)
-        hold = runtime.pacer.hold(outcome, loop.time())
-        if hold > 0:
-            metrics.paced.labels(model).inc()
-            await asyncio.sleep(hold)
+
+async def conclude(runtime: Runtime, model: str, priority: int, outcome: str,
+                   started: float) -> None:
+    """Count one answer (a 200 with its time since ``started``), then hold it if it is a
+    refusal past VEGA_REFUSAL_RATE, until its turn (vega/pressure/pacing.py).
+
+    Called once the frame that read and parsed the request has returned, so a held
+    refusal keeps nothing of its request alive (under a flood hundreds are held at
+    once, and their parsed bodies would be rescanned by every garbage collection).
+    """
+    loop = asyncio.get_running_loop()
+    metrics = runtime.metrics
+    model = model if model in runtime.models else "_unknown"
+    label = PRIORITY_NAMES[priority]
+    metrics.requests.labels(model, label, outcome).inc()
+    if outcome in REFUSALS:
+        metrics.rejections.labels(model, label, outcome).inc()
+    if outcome == "ok":
+        metrics.request_seconds.labels(model).observe(loop.time() - started)
+    hold = runtime.pacer.hold(outcome, loop.time())
+    if hold > 0:
+        metrics.paced.labels(model).inc()
+        await asyncio.sleep(hold)

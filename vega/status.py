@@ -29,6 +29,7 @@ class Reporter:
         self.rt.metrics.model_process_restarts.inc(executor.restarts - self._restarts_counted)
         self._restarts_counted = executor.restarts
         inflight = sum(s.batcher.inflight for s in self.rt.models.values())
+        self.rt.jobs.refresh_metrics()
         for name, served in self.rt.models.items():
             self.rt.metrics.peer_lent.labels(name).set(self.rt.lent(name))
             refused = served.admission.refused_with_room
@@ -63,6 +64,7 @@ class Reporter:
                 "padding_share": round(b.padded_steps / b.batch_steps, 4) if b.batch_steps else 0.0,
                 "queue_age_ms": {p: round(1000 * age, 1)
                                  for p, age in self.queue_ages(served).items()},
+                "jobs": self.rt.jobs.status(name),
             }
         executor = self.rt.executor
         return {"node": self.rt.node_id, "ready": self.rt.ready, "draining": self.rt.draining,
@@ -106,7 +108,8 @@ class Reporter:
                       refusals=refusals,
                       item_s=main.times.per_item_s(0, main.config.max_batch_size),
                       processes=1 + peers,
-                      overflow=dict(streams.counts) if streams is not None else {})
+                      overflow=dict(streams.counts) if streams is not None else {},
+                      job_items=self.rt.jobs.backlog_items())
 
     def outcomes(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -22,6 +22,26 @@ def done_key(model: str, batch: str) -> str:
     return f"vega:{{{model}}}:done:{batch}"
 
 
+def jobs_key(model: str) -> str:
+    """The job stream of ``model`` (consumer group GROUP); entries name a job id."""
+    return f"vega:{{{model}}}:jobs"
+
+
+def job_key(model: str, job: str) -> str:
+    """A job's record and, once finished, its result (a hash with a TTL)."""
+    return f"vega:{{{model}}}:job:{job}"
+
+
+def job_idem_key(model: str, digest: str) -> str:
+    """An Idempotency-Key of POST /v1/jobs: the body's fingerprint and the job id."""
+    return f"vega:{{{model}}}:jobs:idem:{digest}"
+
+
+def job_dead_key(model: str) -> str:
+    """Count of jobs copied to the dead-letter stream (``dlq_key``, kind=job)."""
+    return f"vega:{{{model}}}:jobs:dead"
+
+
 def reply_key(node: str) -> str:
     return f"vega:reply:{node}"
 

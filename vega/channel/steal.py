@@ -204,7 +204,8 @@ class Thief:
     async def _dead_letter(self, model: str, entry_id: Any, fields: Any, reason: str) -> None:
         """Keep the entry for a person to look at, out of every reader's way."""
         self.metrics.overflow_events.labels("dead_lettered").inc()
-        kept: dict[Any, Any] = {b"reason": reason[:500], b"entry": entry_id, b"by": self.node}
+        kept: dict[Any, Any] = {b"kind": b"overflow", b"reason": reason[:500], b"entry": entry_id,
+                                b"by": self.node}
         if isinstance(fields, dict) and sum(len(k) + len(v) for k, v in fields.items()) < 1 << 20:
             kept.update({b"field:" + bytes(k)[:64]: v for k, v in fields.items()})
         try:

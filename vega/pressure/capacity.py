@@ -10,7 +10,10 @@ over the processes it knows of (itself and the live peers it sees through Redis)
 the target utilisation:
 
     demand = utilisation + refused work + standing backlog / grow window
+             + job backlog / job drain target / processes
     raw    = ceil(processes * demand / target)
+
+(the job backlog is shared by all processes through Redis, so each counts its share);
 
 with hysteresis, so it does not flap: it grows only after backlog or refusals have
 lasted ``grow_after_s`` with ``raw`` above the suggestion all along (to the smallest
@@ -38,6 +41,7 @@ class CapacityConfig:
     grow_after_s: float = 5.0
     shrink_after_s: float = 60.0
     max_processes: int = 10_000
+    job_drain_s: float = 300.0  # the job backlog should drain within this
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Sample:
     item_s: float  # executor seconds one item costs at full batches
     processes: int = 1  # this process and the live peers it sees
     overflow: Mapping[str, float] = field(default_factory=dict)  # batches offered, taken, ...
+    job_items: float = 0.0  # job items queued or running (the async lane's backlog)
 
 
 @dataclass
@@ -87,9 +92,11 @@ class Capacity:
                       if reason not in NOT_LOAD)
         queued = sum(sample.depth.values())
         horizon = max(self.config.grow_after_s, dt)
+        jobs = sample.job_items * sample.item_s / threads / self.config.job_drain_s
         self.demand = (self.utilisation + refused * sample.item_s / threads
-                       + queued * sample.item_s / threads / horizon)
-        self._step(sample, refused > 0, queued)
+                       + queued * sample.item_s / threads / horizon
+                       + jobs / max(1, sample.processes))
+        self._step(sample, refused > 0 or jobs > 0, queued + int(sample.job_items))
 
     def _step(self, sample: Sample, refusing: bool, queued: int) -> None:
         processes = max(1, sample.processes)

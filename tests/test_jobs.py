@@ -1,0 +1,234 @@
+"""The async lane in one process (in-process ASGI): memory store and Redis store."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from tests.infra import RedisServer
+from tests.models import FAIL_MARK, echo, window
+from vega.config import load_settings
+from vega.runtime import Runtime
+from vega.server import create_app
+
+BASE = {"VEGA_WARMUP_BATCHES": "1", "VEGA_TORCH_THREADS": "1", "VEGA_LENGTH_BUCKETS": "16",
+        "VEGA_CAPACITY_SAMPLE_S": "0.05"}
+
+
+@asynccontextmanager
+async def served(**env: str) -> AsyncIterator[tuple[httpx.AsyncClient, Runtime, Any]]:
+    settings = load_settings(environ={**BASE, **env})
+    model = echo("echo")
+    app, runtime = create_app(settings, [model])
+    await runtime.start()
+    await runtime.wait_ready()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://vega") as client:
+            yield client, runtime, model
+    finally:
+        await runtime.stop()
+
+
+async def until_final(client: httpx.AsyncClient, job_id: str, timeout_s: float = 20) -> Any:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while True:
+        doc = (await client.get(f"/v1/jobs/{job_id}")).json()
+        if doc["status"] not in ("queued", "running"):
+            return doc
+        assert loop.time() < end, f"job {job_id} still {doc['status']}"
+        await asyncio.sleep(0.02)
+
+
+async def submit(client: httpx.AsyncClient, body: Any, **headers: str) -> httpx.Response:
+    return await client.post("/v1/jobs", content=orjson.dumps(body), headers=headers)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_env(request: pytest.FixtureRequest, tmp_path: Any) -> Any:
+    if request.param == "memory":
+        yield {}
+        return
+    from tests.infra import require
+
+    require("redis-server")
+    server = RedisServer(tmp_path).start()
+    yield {"VEGA_REDIS_URL": server.url}
+    server.stop()
+
+
+async def test_a_job_answers_what_infer_answers_and_says_so_in_its_record(
+        store_env: dict[str, str]) -> None:
+    async with served(**store_env) as (client, runtime, _):
+        for body in ({"inputs": window(7, 0.25)},
+                     {"instances": [window(3, 1.0), window(12, 2.0)]}):
+            inline = await client.post("/v1/infer", content=orjson.dumps(body))
+            accepted = await submit(client, {**body, "ttl_s": 60})
+            assert accepted.status_code == 202, accepted.text
+            doc = accepted.json()
+            assert doc["status"] == "queued" and accepted.headers["location"] == \
+                f"/v1/jobs/{doc['id']}"
+            assert int(accepted.headers["retry-after"]) >= 1
+            final = await until_final(client, doc["id"])
+            assert final["status"] == "done" and final["model"] == "echo"
+            # Batch size is the third output of echo: compare the sums and lengths only.
+            got = final["outputs"] if "instances" in body else [final["outputs"]]
+            want = inline.json()["outputs"] if "instances" in body else [inline.json()["outputs"]]
+            assert [row[:2] for row in got] == [row[:2] for row in want]
+            assert final["finished_ms"] >= final["created_ms"]
+        status = (await client.get("/v1/status")).json()["models"]["echo"]["jobs"]
+        assert status["durable"] is bool(store_env)
+        assert ("note" in status) is not bool(store_env)
+        assert status["counts"]["done"] == 2
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"{not json", 400),
+    ({"inputs": [[1.0, 2.0]]}, 422),
+    ({"inputs": [[0.0] * 8], "colour": "red"}, 422),
+    ({"inputs": [[0.0] * 8], "ttl_s": -1}, 422),
+    ({"inputs": [[0.0] * 8], "ttl_s": "soon"}, 422),
+    ({"inputs": [[0.0] * 8], "priority": "urgent"}, 422),
+    ({"instances": []}, 422),
+    ([1, 2], 422),
+])
+async def test_a_bad_job_body_gets_infers_answer_and_stores_nothing(
+        body: Any, status: int) -> None:
+    async with served() as (client, runtime, _):
+        content = body if isinstance(body, bytes) else orjson.dumps(body)
+        response = await client.post("/v1/jobs", content=content)
+        assert response.status_code == status, response.text
+        if not (isinstance(body, dict) and "ttl_s" in body):  # /v1/infer has no ttl_s
+            inline = await client.post("/v1/infer", content=content)
+            assert inline.status_code == status
+        assert (await runtime.jobs.store.stats("echo")).queued == 0
+        missing = await client.post("/v1/models/nope/jobs", content=orjson.dumps(
+            {"inputs": window(4)}))
+        assert missing.status_code == 404
+
+
+async def test_hostile_job_ids_are_404_and_touch_nothing(store_env: dict[str, str]) -> None:
+    async with served(**store_env) as (client, runtime, _):
+        for job_id in ["x", "a" * 23, "a" * 21 + "$", "a" * 400, "%00" * 8, "a" * 21 + "%0A"]:
+            for method in ("GET", "DELETE"):
+                response = await client.request(method, f"/v1/jobs/{job_id}")
+                assert response.status_code == 404
+                assert response.json()["error"]["code"] == "job_not_found"
+        unknown = await client.get("/v1/jobs/" + "a" * 22)  # well formed, never issued
+        assert unknown.status_code == 404
+        outside = await client.get("/v1/jobs/../../etc/passwd")
+        assert outside.status_code == 404  # not a job route at all
+        if store_env:
+            keys = redis.Redis.from_url(store_env["VEGA_REDIS_URL"]).keys("*job*")
+            assert set(keys) <= {b"vega:{echo}:jobs"}  # the stream the runner reads, no record
+        assert (await runtime.jobs.store.stats("echo")).queued == 0
+
+
+async def test_queued_jobs_can_be_cancelled_or_expire_and_never_run(
+        store_env: dict[str, str]) -> None:
+    env = {"VEGA_MAX_BATCH_SIZE": "1", "VEGA_JOBS_MAX_DEPTH": "6", **store_env}
+    async with served(**env) as (client, runtime, model):
+        model.module.sleep_s = 0.3  # two jobs held here at a time, one batch each
+        ids = [(await submit(client, {"inputs": window(4, float(n)), "ttl_s": 60})).json()["id"]
+               for n in range(4)]
+        short = (await submit(client, {"inputs": window(4, 9.0), "ttl_s": 0.05})).json()["id"]
+        cancelled = await client.delete(f"/v1/jobs/{ids[3]}")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        full = await submit(client, {"inputs": window(4), "ttl_s": 60})
+        assert full.status_code == 202  # five queued or held, the bound is six
+        over = await submit(client, {"inputs": window(4), "ttl_s": 60})
+        over2 = await submit(client, {"inputs": window(4), "ttl_s": 60})
+        refused = over2 if over.status_code == 202 else over
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        assert int(refused.headers["retry-after"]) >= 1
+        seen = set()
+        while True:
+            doc = (await client.get(f"/v1/jobs/{ids[0]}")).json()
+            seen.add(doc["status"])
+            if doc["status"] == "done":
+                break
+            await asyncio.sleep(0.01)
+        assert "running" in seen
+        done = await client.delete(f"/v1/jobs/{ids[0]}")
+        assert done.status_code == 409 and done.json()["error"]["code"] == "conflict"
+        assert (await until_final(client, short))["status"] == "expired"
+        assert (await until_final(client, ids[3]))["status"] == "cancelled"
+        for job_id in ids[:3]:
+            assert (await until_final(client, job_id))["status"] == "done"
+        await asyncio.sleep(0.2)
+        counts = runtime.jobs.counts["echo"]
+        assert counts["cancelled"] == 1 and counts["expired"] == 1
+
+
+async def test_a_job_whose_model_raises_is_retried_then_failed_and_dead_lettered(
+        store_env: dict[str, str]) -> None:
+    env = {"VEGA_MAX_ATTEMPTS": "3", **store_env}
+    async with served(**env) as (client, runtime, model):
+        runs: list[int] = []
+        forward = model.module.__call__
+
+        def counting(x: Any, lengths: Any) -> Any:
+            runs.append(int(x.shape[0]))
+            return forward(x, lengths)
+
+        model.module.__call__ = counting
+        bad = window(4)
+        bad[0][0] = FAIL_MARK
+        job_id = (await submit(client, {"inputs": bad})).json()["id"]
+        final = await until_final(client, job_id)
+        assert final["status"] == "failed" and final["error"]["code"] == "model_error"
+        assert "dead-lettered" in final["error"]["message"]
+        await asyncio.sleep(0.2)
+        assert runtime.jobs.stats["echo"].dead_letters == 1
+        if store_env:
+            client_ = redis.Redis.from_url(store_env["VEGA_REDIS_URL"])
+            entries: Any = client_.xrange("vega:{echo}:dlq")
+            assert [e[1][b"kind"] for e in entries] == [b"job"]
+            assert client_.xlen("vega:{echo}:jobs") == 0  # acknowledged and gone
+        metrics = (await client.get("/metrics")).text
+        assert 'vega_jobs_total{model="echo",outcome="failed"} 1.0' in metrics
+        assert 'vega_jobs_dead_letters{model="echo"} 1.0' in metrics
+        assert 'vega_jobs_retried_total{model="echo"} 2.0' in metrics
+
+
+async def test_an_idempotency_key_gives_one_job_and_another_body_is_422(
+        store_env: dict[str, str]) -> None:
+    async with served(**store_env) as (client, runtime, _):
+        body = {"inputs": window(5), "ttl_s": 30}
+        first, second = await asyncio.gather(*(submit(client, body, **{"Idempotency-Key": "k1"})
+                                               for _ in range(2)))
+        assert first.status_code == second.status_code == 202
+        assert first.json()["id"] == second.json()["id"]
+        other = await submit(client, {"inputs": window(6), "ttl_s": 30},
+                             **{"Idempotency-Key": "k1"})
+        assert other.status_code == 422
+        bad_key = await submit(client, body, **{"Idempotency-Key": "\x01"})
+        assert bad_key.status_code == 422
+        await until_final(client, first.json()["id"])
+        assert runtime.jobs.counts["echo"]["done"] == 1
+
+
+async def test_prefer_respond_async_turns_an_inline_refusal_into_a_job() -> None:
+    # Sheddable requests are always refused here (watermark 0): the turn is certain.
+    async with served(VEGA_SHED_WATERMARK="0") as (client, _, _model):
+        body = orjson.dumps({"inputs": window(4, 0.5), "priority": "sheddable"})
+        plain = await client.post("/v1/infer", content=body)
+        assert plain.status_code == 429 and plain.json()["error"]["code"] == "shed"
+        turned = await client.post("/v1/infer", content=body,
+                                   headers={"Prefer": "wait=5, respond-async"})
+        assert turned.status_code == 202, turned.text
+        assert turned.headers["preference-applied"] == "respond-async"
+        assert (await until_final(client, turned.json()["id"]))["status"] == "done"
+        served_inline = await client.post("/v1/infer", content=orjson.dumps(
+            {"inputs": window(4)}), headers={"Prefer": "respond-async"})
+        assert served_inline.status_code == 200  # not refused: nothing is turned
+        bad = await client.post("/v1/infer", content=b"{", headers={"Prefer": "respond-async"})
+        assert bad.status_code == 400

@@ -1,0 +1,1 @@
+"""The async lane: work that can wait is queued as a job and run on spare capacity."""

@@ -1,0 +1,326 @@
+"""The durable job store: a Redis stream per model, a hash per job (DESIGN.md "Jobs").
+
+``vega:{model}:jobs`` (consumer group ``workers``) holds one entry per job not yet
+finished; ``vega:{model}:job:<id>`` holds the job's record and, once finished, its
+result, with a TTL. Every step that must not be torn is one Lua script over the keys
+of one model, which share its hash tag (one Cluster slot): submit (the Idempotency-Key,
+the depth bound, the record and the stream entry), start, finish (result, dead letter,
+acknowledgement) and cancel. A job whose record is already final is acknowledged, never
+run again. Values are orjson, checked on the way in: nothing from Redis is trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import orjson
+from redis import exceptions as rexc
+
+from vega.channel.client import connect
+from vega.channel.keys import (
+    BLOCK_MS,
+    GROUP,
+    dlq_key,
+    job_dead_key,
+    job_idem_key,
+    job_key,
+    jobs_key,
+)
+from vega.jobs.store import (
+    FINAL,
+    QUEUED,
+    Job,
+    Stats,
+    Submitted,
+    conflict,
+    queue_full,
+    valid_id,
+    wall_ms,
+)
+
+log = logging.getLogger("vega.jobs")
+
+# KEYS: stream, job, idempotency key. ARGV: id, max depth, record ttl ms, body print
+# ('' without a key), then the record's field/value pairs. {0, id} added; {1, id} the
+# key's earlier job; {2} the key with another body; {3, depth} the backlog is full.
+_SUBMIT = """
+if ARGV[4] ~= '' then
+  local held = redis.call('GET', KEYS[3])
+  if held then
+    local sep = string.find(held, '|', 1, true)
+    if string.sub(held, 1, sep - 1) == ARGV[4] then return {1, string.sub(held, sep + 1)} end
+    return {2, ''}
+  end
+end
+local depth = redis.call('XLEN', KEYS[1])
+if depth >= tonumber(ARGV[2]) then return {3, tostring(depth)} end
+local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1])
+redis.call('HSET', KEYS[2], 'entry', entry, unpack(ARGV, 5))
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4] .. '|' .. ARGV[1], 'PX', ARGV[3]) end
+return {0, ARGV[1]}
+"""
+
+# KEYS: job. The attempt number when it may run now, else -1 (finished or cancelled).
+_START = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'queued' and status ~= 'running' then return -1 end
+redis.call('HSET', KEYS[1], 'status', 'running')
+return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+"""
+
+# KEYS: job, stream, dlq, dead count. ARGV: status, finished ms, result ttl ms, entry,
+# outputs, error, dead-letter flag, dlq maxlen. A final record is never overwritten.
+_FINISH = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'queued' or status == 'running' then
+  redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_ms', ARGV[2])
+  if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'outputs', ARGV[5]) end
+  if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[6]) end
+  if ARGV[7] == '1' then
+    local inputs = redis.call('HGET', KEYS[1], 'inputs') or ''
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', 'kind', 'job', 'job', KEYS[1],
+               'reason', ARGV[6], 'inputs', inputs)
+    redis.call('INCR', KEYS[4])
+  end
+  redis.call('HDEL', KEYS[1], 'inputs')
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+if ARGV[4] ~= '' then
+  redis.call('XACK', KEYS[2], 'workers', ARGV[4])
+  redis.call('XDEL', KEYS[2], ARGV[4])
+end
+return 0
+"""
+
+# KEYS: job, stream. ARGV: entry, job id. Back in the stream as a new entry.
+_RETRY = """
+local status = redis.call('HGET', KEYS[1], 'status')
+redis.call('XACK', KEYS[2], 'workers', ARGV[1])
+redis.call('XDEL', KEYS[2], ARGV[1])
+if status == 'queued' or status == 'running' then
+  local entry = redis.call('XADD', KEYS[2], '*', 'id', ARGV[2])
+  redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', entry)
+end
+return 0
+"""
+
+# KEYS: job, stream. ARGV: now ms, result ttl ms. {0} unknown, {1} cancelled, {2, status}.
+_CANCEL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {0, ''} end
+local expires = tonumber(redis.call('HGET', KEYS[1], 'expires_ms') or '0')
+if status == 'queued' and expires <= tonumber(ARGV[1]) then return {2, 'expired'} end
+if status ~= 'queued' then return {2, status} end
+local entry = redis.call('HGET', KEYS[1], 'entry')
+redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_ms', ARGV[1])
+redis.call('HDEL', KEYS[1], 'inputs')
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if entry then
+  redis.call('XACK', KEYS[2], 'workers', entry)
+  redis.call('XDEL', KEYS[2], entry)
+end
+return {1, 'cancelled'}
+"""
+
+
+class StoreError(Exception):
+    """A record in Redis that does not have the schema Vega writes."""
+
+
+class RedisStore:
+    durable = True
+
+    def __init__(self, url: str, timeout_s: float, result_ttl_s: float,
+                 dlq_maxlen: int) -> None:
+        self.cmd = connect(url, timeout_s)
+        self.reader = connect(url, BLOCK_MS / 1000 + timeout_s)  # blocking reads only
+        self.result_ttl_ms = int(1000 * result_ttl_s)
+        self.dlq_maxlen = dlq_maxlen
+        self._scripts = {name: self.cmd.register_script(text) for name, text in (
+            ("submit", _SUBMIT), ("start", _START), ("finish", _FINISH), ("retry", _RETRY),
+            ("cancel", _CANCEL))}
+        self._groups: set[str] = set()
+
+    async def _group(self, model: str) -> None:
+        if model in self._groups:
+            return
+        try:  # from the start of the stream: jobs may be added before any group exists
+            await self.cmd.xgroup_create(jobs_key(model), GROUP, id="0", mkstream=True)
+        except rexc.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+        self._groups.add(model)
+
+    async def submit(self, job: Job, key: str | None, print_: str,
+                     max_depth: int) -> Submitted:
+        ttl_ms = max(1, job.expires_ms - wall_ms()) + self.result_ttl_ms
+        digest = hashlib.blake2b((key or "").encode(), digest_size=16).hexdigest()
+        fields: list[Any] = ["model", job.model, "status", QUEUED, "created_ms", job.created_ms,
+                  "expires_ms", job.expires_ms, "single", int(job.single),
+                  "priority", job.priority, "attempts", 0, "inputs", job.instances]
+        code, value = await self._scripts["submit"](
+            keys=[jobs_key(job.model), job_key(job.model, job.id),
+                  job_idem_key(job.model, digest)],
+            args=[job.id, max_depth, ttl_ms, print_ if key is not None else "", *fields],
+            client=self.cmd)
+        value = value.decode() if isinstance(value, bytes) else str(value)
+        if code == 0:
+            return Submitted(job.id, QUEUED, True)
+        if code == 1:
+            earlier = await self.get(job.model, value)
+            return Submitted(value, earlier.state(wall_ms()) if earlier else QUEUED, False)
+        if code == 2:
+            raise conflict()
+        raise queue_full(int(value), max_depth)
+
+    async def get(self, model: str, job_id: str) -> Job | None:
+        raw: Any = await self.cmd.hgetall(job_key(model, job_id))
+        return _decode(job_id, model, raw) if raw else None
+
+    async def cancel(self, model: str, job_id: str) -> Job | None:
+        await self._scripts["cancel"](keys=[job_key(model, job_id), jobs_key(model)],
+                                      args=[wall_ms(), self.result_ttl_ms], client=self.cmd)
+        return await self.get(model, job_id)
+
+    async def take(self, model: str, consumer: str, count: int) -> list[Job]:
+        await self._group(model)
+        try:
+            got: Any = await self.reader.xreadgroup(GROUP, consumer, {jobs_key(model): ">"},
+                                                    count=count, block=BLOCK_MS)
+        except rexc.ResponseError as error:
+            if "NOGROUP" in str(error):  # Redis restarted empty
+                self._groups.discard(model)
+            raise
+        entries = [e for _stream, batch in got or [] for e in batch]
+        return await self._records(model, entries)
+
+    async def reclaim(self, model: str, consumer: str, count: int,
+                      idle_ms: int) -> list[Job]:
+        await self._group(model)
+        _next, entries, *_ = await self.cmd.xautoclaim(jobs_key(model), GROUP, consumer,
+                                                       idle_ms, "0-0", count=count)
+        return await self._records(model, entries)
+
+    async def _records(self, model: str, entries: list[Any]) -> list[Job]:
+        """The jobs the entries name; a hostile or orphaned entry is acknowledged away."""
+        wanted: list[tuple[str, str]] = []
+        drop: list[str] = []
+        for entry_id, fields in entries:
+            entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            job_id = (fields or {}).get(b"id", b"")
+            job_id = job_id.decode(errors="replace") if isinstance(job_id, bytes) else ""
+            if valid_id(job_id):
+                wanted.append((entry, job_id))
+            else:
+                log.warning("job stream %s: entry %s names no job id; dropped", model, entry)
+                drop.append(entry)
+        async with self.cmd.pipeline(transaction=False) as pipe:
+            for _entry, job_id in wanted:
+                pipe.hgetall(job_key(model, job_id))
+            raws = await pipe.execute() if wanted else []
+        jobs = []
+        for (entry, job_id), raw in zip(wanted, raws):
+            try:
+                job = _decode(job_id, model, raw) if raw else None
+            except StoreError as error:
+                log.warning("job %s: %s; dropped", job_id, error)
+                job = None
+            if job is None:
+                drop.append(entry)  # expired out of Redis, or not ours to read
+                continue
+            job.entry = entry
+            jobs.append(job)
+        if drop:
+            async with self.cmd.pipeline(transaction=True) as pipe:
+                pipe.xack(jobs_key(model), GROUP, *drop)
+                pipe.xdel(jobs_key(model), *drop)
+                await pipe.execute()
+        return jobs
+
+    async def start(self, jobs: list[Job]) -> list[Job]:
+        if not jobs:
+            return []
+        async with self.cmd.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                await self._scripts["start"](keys=[job_key(job.model, job.id)], client=pipe)
+            attempts = await pipe.execute()
+        runnable = []
+        for job, attempt in zip(jobs, attempts):
+            if int(attempt) < 0:
+                await self.finish(job, job.status)  # finished or cancelled meanwhile: ack
+                continue
+            job.attempts, job.status = int(attempt), "running"
+            runnable.append(job)
+        return runnable
+
+    async def finish(self, job: Job, status: str, outputs: bytes = b"",
+                     error: dict[str, str] | None = None, dead_letter: bool = False) -> None:
+        await self._scripts["finish"](
+            keys=[job_key(job.model, job.id), jobs_key(job.model), dlq_key(job.model),
+                  job_dead_key(job.model)],
+            args=[status, wall_ms(), self.result_ttl_ms, job.entry, outputs,
+                  orjson.dumps(error) if error is not None else b"", int(dead_letter),
+                  self.dlq_maxlen],
+            client=self.cmd)
+
+    async def retry(self, job: Job) -> None:
+        await self._scripts["retry"](keys=[job_key(job.model, job.id), jobs_key(job.model)],
+                                     args=[job.entry, job.id], client=self.cmd)
+
+    async def refresh(self, model: str, consumer: str, jobs: list[Job]) -> None:
+        """Reset the idle time of entries held here, so no peer reclaims live work."""
+        entries: list[Any] = [job.entry for job in jobs if job.entry]
+        if entries:
+            await self.cmd.xclaim(jobs_key(model), GROUP, consumer, 0, entries, justid=True)
+
+    async def stats(self, model: str) -> Stats:
+        await self._group(model)
+        async with self.cmd.pipeline(transaction=False) as pipe:
+            pipe.xlen(jobs_key(model))
+            pipe.xpending(jobs_key(model), GROUP)
+            pipe.xrange(jobs_key(model), count=1)
+            pipe.get(job_dead_key(model))
+            length, pending, first, dead = await pipe.execute()
+        claimed = int(pending.get("pending", 0)) if isinstance(pending, dict) else 0
+        oldest_ms = 0
+        if first:
+            entry = first[0][0]
+            entry = entry.decode() if isinstance(entry, bytes) else str(entry)
+            oldest_ms = max(0, wall_ms() - int(entry.split("-")[0]))
+        return Stats(queued=max(0, int(length) - claimed), pending=claimed,
+                     oldest_age_s=oldest_ms / 1000, dead_letters=int(dead or 0))
+
+    async def close(self) -> None:
+        await self.cmd.aclose()
+        await self.reader.aclose()
+
+
+def _decode(job_id: str, model: str, raw: dict[bytes, bytes]) -> Job:
+    """A job record as read from Redis, schema-checked."""
+    try:
+        fields = {k.decode(): v.decode() for k, v in raw.items() if k != b"inputs"
+                  and k != b"outputs"}
+        status = fields["status"]
+        if status not in FINAL and status not in (QUEUED, "running"):
+            raise StoreError(f"status {status!r}")
+        if fields.get("model", model) != model:
+            raise StoreError("record of another model")
+        error = orjson.loads(fields["error"]) if fields.get("error") else None
+        if error is not None and not (isinstance(error, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in error.items())):
+            raise StoreError("error is not an object of strings")
+        outputs = raw.get(b"outputs", b"")
+        if outputs:
+            orjson.loads(outputs)  # a fragment that is not JSON must never reach a reply
+        return Job(id=job_id, model=model, instances=raw.get(b"inputs", b""),
+                   single=fields.get("single") == "1", priority=int(fields.get("priority", 1)),
+                   created_ms=int(fields["created_ms"]), expires_ms=int(fields["expires_ms"]),
+                   status=status, attempts=int(fields.get("attempts", 0)), outputs=outputs,
+                   error=error,
+                   finished_ms=int(fields["finished_ms"]) if "finished_ms" in fields else None,
+                   entry=fields.get("entry", ""))
+    except (KeyError, ValueError, UnicodeDecodeError, orjson.JSONDecodeError) as exc:
+        raise StoreError(f"malformed record: {exc!r}") from None

@@ -1,0 +1,183 @@
+"""The job routes: submit, poll, cancel; and ``Prefer: respond-async`` on /v1/infer.
+
+A job body is the /v1/infer body plus ``ttl_s``, parsed and checked by the same code
+as /v1/infer (the parser the server hands in, and the model's own input check), so a
+bad body gets the same 4xx and nothing is stored. Ids are checked by their form
+before any store is asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from vega.calls import Reply
+from vega.config import Settings
+from vega.errors import VegaError, invalid_input
+from vega.httpio import (
+    JSON,
+    error_response,
+    json_response,
+    parse_json,
+    read_body,
+)
+from vega.jobs.runner import STORE_ERRORS
+from vega.jobs.store import CANCELLED, QUEUED, Job, new_id, valid_id, wall_ms
+from vega.pressure.idempotency import KEY_PATTERN, fingerprint
+from vega.records import NORMAL
+from vega.runtime import Runtime
+from vega.stack import conclude
+
+# The refusals that a caller who can wait would rather have as a job (DESIGN.md "Jobs").
+TURNED = frozenset({"shed", "queue_full", "deadline_unmeetable"})
+
+BodyParser = Callable[[Any, Request, Settings], tuple[list[Any], bool, int, float]]
+
+
+def wants_async(request: Request) -> bool:
+    """Whether the request carries ``Prefer: respond-async`` (RFC 7240)."""
+    prefer = request.headers.get("prefer")
+    if not prefer:
+        return False
+    return any(part.split(";")[0].split("=")[0].strip().lower() == "respond-async"
+               for part in prefer.split(","))
+
+
+class JobsApi:
+    def __init__(self, runtime: Runtime, parse_body: BodyParser) -> None:
+        self.runtime = runtime
+        self.settings = runtime.settings
+        self.parse_body = parse_body
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/jobs", self.submit, methods=["POST"]),
+                Route("/v1/models/{name}/jobs", self.submit, methods=["POST"]),
+                Route("/v1/jobs/{id}", self.get, methods=["GET"]),
+                Route("/v1/jobs/{id}", self.cancel, methods=["DELETE"])]
+
+    async def submit(self, request: Request) -> Response:
+        started = asyncio.get_running_loop().time()
+        name = request.path_params.get("name") or self.runtime.default_model
+        priority = NORMAL
+        try:
+            body = await read_body(request, self.settings.max_body_bytes)
+            reply, priority = await self._submit(request, name, body, with_ttl=True)
+        except VegaError as error:
+            reply = _refusal(error)
+        await conclude(self.runtime, name, priority, reply.outcome, started)
+        return Response(reply.body, reply.status, headers=reply.headers, media_type=JSON)
+
+    def wants(self, request: Request) -> bool:
+        return wants_async(request)
+
+    async def turn(self, request: Request, name: str, body: bytes | None,
+                   refused: Reply) -> Reply:
+        """A /v1/infer refusal, as a job: 202, or the refusal when the job is refused too."""
+        if refused.outcome not in TURNED:
+            return refused
+        try:
+            if body is None:  # refused before its body was read
+                body = await read_body(request, self.settings.max_body_bytes)
+            reply, _ = await self._submit(request, name, body, with_ttl=False)
+        except VegaError as error:
+            return refused if error.code in TURNED else _refusal(error)
+        reply.headers["Preference-Applied"] = "respond-async"
+        return reply
+
+    async def _submit(self, request: Request, name: str, body: bytes,
+                      with_ttl: bool) -> tuple[Reply, int]:
+        runtime = self.runtime
+        runtime.check_open()
+        served = runtime.served(name)
+        key = _idempotency_key(request.headers.get("idempotency-key"))
+        doc = parse_json(body)
+        print_ = fingerprint(doc) if key is not None else ""
+        ttl_s = self._ttl_s(doc.pop("ttl_s", None) if with_ttl and isinstance(doc, dict)
+                            else None)
+        instances, single, priority, _deadline = self.parse_body(doc, request, self.settings)
+        for instance in instances:  # the model's own check, as /v1/infer makes it
+            served.adapter.decode(instance)
+        now_ms = wall_ms()
+        job = Job(id=new_id(), model=served.adapter.name, instances=orjson.dumps(instances),
+                  single=single, priority=priority, created_ms=now_ms,
+                  expires_ms=now_ms + int(1000 * ttl_s))
+        lane = runtime.jobs
+        try:
+            submitted = await lane.submit(job, key, print_)
+        except VegaError as error:
+            if error.code == "queue_full":
+                raise VegaError("queue_full", error.message,
+                                retry_after_ms=1000 * lane.wait_s(job.model)) from None
+            raise
+        except STORE_ERRORS:
+            raise VegaError("not_ready", "the job store is unreachable",
+                            retry_after_ms=1000.0) from None
+        headers = {"Location": f"/v1/jobs/{submitted.id}",
+                   "Retry-After": str(max(1, math.ceil(lane.wait_s(job.model))))}
+        if not submitted.created:
+            headers["Idempotent-Replayed"] = "true"
+        doc_out = {"id": submitted.id, "status": submitted.status}
+        return Reply(202, orjson.dumps(doc_out), headers, "job"), priority
+
+    def _ttl_s(self, value: Any) -> float:
+        s = self.settings
+        if value is None:
+            return s.jobs_default_ttl_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or value <= 0:
+            raise invalid_input("ttl_s must be a positive number of seconds")
+        return float(min(value, s.jobs_max_ttl_s))
+
+    async def get(self, request: Request) -> Response:
+        try:
+            job = await self._job(request.path_params["id"])
+        except VegaError as error:
+            return error_response(error)
+        return json_response(job.view(wall_ms()))
+
+    async def cancel(self, request: Request) -> Response:
+        try:
+            job = await self._job(request.path_params["id"])
+            if job.state(wall_ms()) == QUEUED:
+                job = await self.runtime.jobs.cancel(job) or job
+            if job.state(wall_ms()) != CANCELLED:
+                raise VegaError("conflict", f"job is {job.state(wall_ms())}: only a queued "
+                                            "job can be cancelled")
+        except VegaError as error:
+            return error_response(error)
+        except STORE_ERRORS:
+            return error_response(VegaError("not_ready", "the job store is unreachable",
+                                            retry_after_ms=1000.0))
+        return json_response(job.view(wall_ms()))
+
+    async def _job(self, job_id: str) -> Job:
+        if not valid_id(job_id):
+            raise VegaError("job_not_found", "no such job")
+        try:
+            job = await self.runtime.jobs.find(job_id)
+        except STORE_ERRORS:
+            raise VegaError("not_ready", "the job store is unreachable",
+                            retry_after_ms=1000.0) from None
+        if job is None:
+            raise VegaError("job_not_found", "no such job (or its result has expired)")
+        return job
+
+
+def _idempotency_key(header: str | None) -> str | None:
+    if header is None:
+        return None
+    match = KEY_PATTERN.fullmatch(header.strip())
+    if match is None:
+        raise invalid_input("Idempotency-Key must be 1-255 printable ASCII characters")
+    return match.group(1)
+
+
+def _refusal(error: VegaError) -> Reply:
+    return Reply(error.status, orjson.dumps(error.body()), error.headers(), error.code)

@@ -1,0 +1,188 @@
+"""Running jobs on spare capacity: one runner per model, feeding its batcher.
+
+A runner takes jobs from the store only while no inline item is queued, and holds at
+most two full batches of job items in this process, so a crash loses nothing the
+store does not still hold (with Redis, the entries stay pending and a peer reclaims
+them). Job items run in the batcher's job class: batched only while no inline item
+waits, never beside inline items, each batch only on a free thread. A finished job's
+result goes to the store in one step with its acknowledgement; a model error puts
+the job back until ``VEGA_MAX_ATTEMPTS``, then it is failed and dead-lettered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from redis import exceptions as rexc
+
+from vega.batcher import Batcher
+from vega.errors import VegaError
+from vega.jobs.store import DONE, EXPIRED, FAILED, FINAL, Job, wall_ms
+from vega.models import ModelAdapter
+from vega.records import JOB, Item
+
+if TYPE_CHECKING:
+    from vega.jobs.lane import JobLane
+
+log = logging.getLogger("vega.jobs")
+
+STORE_ERRORS = (rexc.RedisError, OSError)
+PAUSE_S = 0.5  # after a store error, before trying again
+
+
+class JobRunner:
+    def __init__(self, lane: JobLane, adapter: ModelAdapter, batcher: Batcher) -> None:
+        self.lane = lane
+        self.model = adapter.name
+        self.adapter = adapter
+        self.batcher = batcher
+        self.hold_items = 2 * batcher.config.max_batch_size
+        self.held: dict[str, Job] = {}
+        self.held_items = 0
+        self.items_per_job = 1.0  # measured: what a job in the backlog costs in items
+        self._room = asyncio.Event()
+        self._room.set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reclaim_at = 0.0
+
+    async def run(self) -> None:
+        """Claim jobs whenever this process has room for them, until cancelled."""
+        loop = asyncio.get_running_loop()
+        store, consumer = self.lane.store, self.lane.node
+        while True:
+            await self.lane.taking.wait()
+            await self.batcher.wait_no_inline()
+            while self.held_items >= self.hold_items:
+                self._room.clear()
+                await self._room.wait()
+            count = max(1, (self.hold_items - self.held_items) // max(1, round(self.items_per_job)))
+            try:
+                if loop.time() >= self._reclaim_at:
+                    self._reclaim_at = loop.time() + self.lane.claim_idle_ms / 2000
+                    jobs = await store.reclaim(self.model, consumer, count,
+                                               self.lane.claim_idle_ms)
+                    jobs = [job for job in jobs if job.id not in self.held]
+                    if jobs:
+                        self.lane.metrics.jobs_reclaimed.labels(self.model).inc(len(jobs))
+                else:
+                    jobs = []
+                if not jobs:
+                    jobs = await store.take(self.model, consumer, count)
+                await self._start(jobs)
+            except STORE_ERRORS as error:
+                log.warning("job store for %s: %r; trying again", self.model, error)
+                await asyncio.sleep(PAUSE_S)
+
+    async def keep_claims(self) -> None:
+        """Refresh the claims on held jobs so that no peer reclaims work running here."""
+        while True:
+            await asyncio.sleep(self.lane.claim_idle_ms / 3000)
+            if self.held:
+                try:
+                    await self.lane.store.refresh(self.model, self.lane.node,
+                                                  list(self.held.values()))
+                except STORE_ERRORS as error:
+                    log.warning("job claims for %s not refreshed: %r", self.model, error)
+
+    async def _start(self, jobs: list[Job]) -> None:
+        store = self.lane.store
+        now_ms = wall_ms()
+        fresh = []
+        for job in jobs:
+            if job.status in FINAL:
+                await store.finish(job, job.status)  # its result is stored: acknowledge only
+            elif job.expires_ms <= now_ms:
+                await self._end(job, EXPIRED)
+            elif job.attempts >= self.lane.max_attempts:
+                await self._end(job, FAILED, error={
+                    "code": "model_error",
+                    "message": f"no result after {job.attempts} attempt(s); dead-lettered"},
+                    dead_letter=True)
+            else:
+                fresh.append(job)
+        for job in await store.start(fresh):
+            self._enqueue(job)
+
+    def _enqueue(self, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            instances = orjson.loads(job.instances)
+            if not isinstance(instances, list) or not instances:
+                raise VegaError("invalid_input", "a job holds no instances")
+            decoded = [self.adapter.decode(instance) for instance in instances]
+        except (VegaError, orjson.JSONDecodeError) as error:
+            message = error.message if isinstance(error, VegaError) else "inputs are not JSON"
+            self._spawn(self._end(job, FAILED, error={"code": "invalid_input",
+                                                      "message": message}))
+            return
+        deadline = loop.time() + (job.expires_ms - wall_ms()) / 1000
+        items = []
+        for sample, length in decoded:
+            bucket = self.batcher.bucket_of(length)
+            items.append(Item(model=self.model, sample=sample, length=length, priority=JOB,
+                              deadline=deadline, future=loop.create_future(), bucket=bucket,
+                              cost=self.batcher.item_cost(bucket)))
+        self.held[job.id] = job
+        self.held_items += len(items)
+        self.items_per_job += 0.05 * (len(items) - self.items_per_job)
+        for item in items:
+            self.batcher.enqueue(item)
+        self._spawn(self._await(job, items))
+
+    async def _await(self, job: Job, items: list[Item]) -> None:
+        try:
+            await asyncio.wait([item.future for item in items])
+            errors = [item.future.exception() for item in items if item.future.cancelled()
+                      or item.future.exception() is not None]
+            if not errors:
+                outputs = [item.future.result() for item in items]
+                body = orjson.dumps(outputs[0] if job.single else outputs,
+                                    option=orjson.OPT_SERIALIZE_NUMPY)
+                await self._end(job, DONE, outputs=body)
+            elif any(isinstance(e, VegaError) and e.code == "deadline_exceeded" for e in errors):
+                await self._end(job, EXPIRED)  # its ttl passed while it was queued here
+            elif job.attempts < self.lane.max_attempts:
+                self.lane.metrics.jobs_retried.labels(self.model).inc()
+                await self.lane.store.retry(job)
+            else:
+                first = errors[0]
+                message = first.message if isinstance(first, VegaError) else "model failed"
+                await self._end(job, FAILED, error={
+                    "code": "model_error",
+                    "message": f"{message} (attempt {job.attempts} of "
+                               f"{self.lane.max_attempts}); dead-lettered"}, dead_letter=True)
+        except STORE_ERRORS as error:
+            # Left pending in the store: reclaimed after VEGA_CLAIM_IDLE_MS (run again).
+            log.warning("job %s: result not stored: %r", job.id, error)
+        finally:
+            self.held.pop(job.id, None)
+            self.held_items -= len(items)
+            self._room.set()
+
+    async def _end(self, job: Job, status: str, outputs: bytes = b"",
+                   error: dict[str, str] | None = None, dead_letter: bool = False) -> None:
+        await self.lane.store.finish(job, status, outputs, error, dead_letter)
+        self.lane.counted(self.model, status)
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_end)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Let the jobs held here finish and store their results, bounded."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+
+def _log_end(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("job task died: %r", task.exception())
+
+
+Loop = Callable[[], Awaitable[None]]
