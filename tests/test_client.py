@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -373,3 +374,22 @@ def test_jobs_against_real_server(plain: VegaProcess) -> None:
         with pytest.raises(InvalidRequestError) as unknown:
             client.job("no-such-job")
     assert unknown.value.status == 404
+
+
+@pytest.mark.parametrize("kind", ["polite", "naive"])
+def test_bench_callers_mode_reports_what_its_callers_saw(
+        limited: VegaProcess, tmp_path: Path, kind: str) -> None:
+    from vega.cli import main
+
+    out = tmp_path / kind
+    assert main(["bench", "--callers", "3", "--client", kind, "--duration-s", "1",
+                 "--mix", "normal=1", "--deadline-ms", "1500", "--out", str(out),
+                 limited.url]) == 0
+    report = orjson.loads((out / "report.json").read_bytes())
+    summary, meta = report["summary"], report["meta"]
+    assert meta["client"] == kind and meta["callers"] == 3 and meta["unfinished"] == 0
+    assert summary["calls"]["ok"] >= 1 and summary["refusals"]["rate_limited"] >= 1
+    # Every attempt is a 200 or a refusal here: the books balance.
+    assert summary["attempts"] == summary["calls"]["ok"] + sum(summary["refusals"].values())
+    assert set(summary["calls"]) <= {"ok", "deadline_exceeded"}
+    assert summary["p50_ms"] <= summary["p99_ms"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
+import ssl
 import time
 from types import TracebackType
 from typing import Any
@@ -15,6 +17,13 @@ from vega.client.errors import InvalidRequestError
 from vega.client.retry import Attempts, Call, Observer, Policy
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """httpx's default verifying context, built once: building one costs tens of ms, and
+    httpx builds one per client, so a process with many clients would pay that many."""
+    return httpx.create_ssl_context()
 
 
 class _Base:
@@ -54,7 +63,8 @@ class Client(_Base):
         limits = httpx.Limits(max_connections=max_connections,
                               max_keepalive_connections=max_connections)
         self._http = httpx.Client(base_url=base_url, headers=self.headers,
-                                  transport=transport or httpx.HTTPTransport(uds=uds, limits=limits))
+                                  transport=transport or httpx.HTTPTransport(
+                                      uds=uds, limits=limits, verify=tls_context()))
 
     def infer(self, inputs: Any = None, *, instances: Any = None, model: str | None = None,
               priority: str | None = None, deadline_s: float | None = None,
@@ -137,7 +147,8 @@ class AsyncClient(_Base):
                               max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=self.headers,
-            transport=transport or httpx.AsyncHTTPTransport(uds=uds, limits=limits))
+            transport=transport or httpx.AsyncHTTPTransport(uds=uds, limits=limits,
+                                                           verify=tls_context()))
 
     async def infer(self, inputs: Any = None, *, instances: Any = None,
                     model: str | None = None, priority: str | None = None,

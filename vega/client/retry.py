@@ -40,7 +40,8 @@ NEVER_SENT = (httpx.ConnectError,)
 # The request may have reached the server: safe to resend only when it is idempotent.
 MAYBE_SENT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
-Observer = Callable[[int, str], None]  # (status, error code) per attempt; status 0: no answer
+# (status, error code) of each attempt; no answer is status 0, code "connection" or "timeout"
+Observer = Callable[[int, str], None]
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,10 @@ class Attempts:
 
     def failed(self, exc: Exception) -> float:
         """The wait before the next attempt after a transport error, or raises."""
-        self.observe(0, "connection")
         if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+            self.observe(0, "timeout")
             raise self.expired(f"no answer within the deadline ({type(exc).__name__})")
+        self.observe(0, "connection")
         error = ConnectionFailedError(f"{type(exc).__name__}: {exc}", code="connection",
                                       attempts=self.count)
         if isinstance(exc, NEVER_SENT) or (isinstance(exc, MAYBE_SENT) and self.call.resend_safe):
