@@ -85,7 +85,6 @@ class Attempts:
         self.count = 0
         self.last: VegaClientError | None = None
         self.waited_s = 0.0  # the previous wait, for decorrelated jitter
-        self.waits: list[float] = []
 
     def remaining_s(self) -> float:
         return self.deadline - self.policy.clock()
@@ -141,11 +140,10 @@ class Attempts:
             upper = max(floor, min(upper, BACKOFF_CAP_S))
         room = self.remaining_s() - self.policy.min_attempt_s
         if floor > room:
-            raise self.expired(f"the server asked to wait {floor:.3f} s; "
+            raise self.expired(f"the next attempt is due in {floor:.3f} s; only "
                                f"{max(0.0, self.remaining_s()):.3f} s of the deadline left")
         wait = self.policy.rng.uniform(floor, min(upper, room))
         self.waited_s = wait
-        self.waits.append(wait)
         return wait
 
     def expired(self, why: str) -> DeadlineExceededError:
