@@ -62,6 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument("--" + o.name.replace("_", "-"), dest=o.name, default=None,
                                 type=o.type, choices=o.choices, help=text)
+    from vega.lab import callers  # --callers N: closed-loop callers on vega.client
+    callers.configure(parser)
 
 
 # --- side channels: /v1/status and /metrics ----------------------------------------
@@ -227,6 +229,9 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run one bench from parsed ``args``; writes report.json and plots, prints a summary."""
+    if getattr(args, "callers", None) is not None:
+        from vega.lab import callers
+        return callers.run(args)
     try:
         options = resolve(vars(args))
         Target.parse(options["url"], options["path"], options["uds"])
