@@ -359,9 +359,6 @@ async def test_a_dead_port_is_retried_then_raises_within_the_deadline() -> None:
     assert isinstance(raised.value.last, ConnectionFailedError)
 
 
-# Until the /v1/jobs routes are merged, POST /v1/jobs answers the router's 404; strict,
-# so that once they exist this reports XPASS as a failure and the marker is removed.
-@pytest.mark.xfail(raises=InvalidRequestError, strict=True, reason="no /v1/jobs routes yet")
 def test_jobs_against_real_server(plain: VegaProcess) -> None:
     """The job methods against a real server (DESIGN.md "Jobs")."""
     with Client(plain.url, token="t0ken") as client:
