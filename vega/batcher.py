@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +28,8 @@ from typing import Any
 from vega.buckets import line_at
 from vega.config import Settings, length_bounds
 from vega.errors import VegaError
-from vega.records import CLASS_NAMES, CRITICAL, JOB, PRIORITY_NAMES, Batch, Item
+from vega.queues import Queues, first_live
+from vega.records import CRITICAL, JOB, PRIORITY_NAMES, Batch, Item
 from vega.timing import BatchTimes, ServiceRate
 
 log = logging.getLogger("vega.batcher")
@@ -77,29 +77,19 @@ class BatcherConfig:
                    standing_after_s=s.codel_interval_ms / 1000)
 
 
-class Batcher:
+class Batcher(Queues):
     def __init__(self, config: BatcherConfig, sink: Sink,
                  on_batch_done: BatchObserver | None = None) -> None:
+        super().__init__(len(config.buckets))
         self.config = config
         self.times = BatchTimes(len(config.buckets))
         self.rate = ServiceRate(config.parallelism)
         self._sink = sink
         self._on_batch_done = on_batch_done
-        self._queues = [[deque[Item]() for _ in CLASS_NAMES] for _ in config.buckets]
-        self._bucket_depth = [0] * len(config.buckets)  # inline items only
-        self._job_bucket_depth = [0] * len(config.buckets)
-        self._counts = [[0] * len(CLASS_NAMES) for _ in config.buckets]
-        self._depth = [0] * len(CLASS_NAMES)
-        self._cost = [0.0] * len(CLASS_NAMES)
-        self._inline_clear = asyncio.Event()  # set while no inline item is queued
-        self._inline_clear.set()
         self._wake = asyncio.Event()
         self._running = False  # while run() is looping
         # Each batch in flight, with when it is predicted to start and to end (loop clock).
         self._inflight: dict[asyncio.Future[None], tuple[float, float]] = {}
-        self._nonempty_since: float | None = None
-        self._idle = asyncio.Event()
-        self._idle.set()
         self.padded_steps = 0  # padding run through the model so far, in timesteps
         self.batch_steps = 0  # every timestep run, padding included
 
@@ -122,15 +112,6 @@ class Batcher:
 
     # -- values read by admission, metrics and status ------------------------------
 
-    def depth(self, priority: int | None = None) -> int:
-        """Items queued of ``priority``, or of every inline class (job items apart)."""
-        return sum(self._depth[:JOB]) if priority is None else self._depth[priority]
-
-    async def wait_no_inline(self) -> None:
-        """Return once no inline item is queued: when the async lane may feed job items."""
-        while self._nonempty_since is not None:
-            await self._inline_clear.wait()
-
     @property
     def spare_threads(self) -> int:
         """Executor threads this batcher's own work leaves free now: what peers may borrow.
@@ -139,14 +120,6 @@ class Batcher:
         if any(self._depth[:JOB]):
             return 0
         return max(0, self.config.parallelism - len(self._inflight))
-
-    def longest_queued(self) -> int:
-        """The longest bucket with items queued (0 when none is)."""
-        return next((b for b in range(len(self._bucket_depth) - 1, -1, -1)
-                     if self._bucket_depth[b]), 0)
-
-    def bucket_depth(self, bucket: int) -> int:
-        return self._bucket_depth[bucket]
 
     @property
     def inflight(self) -> int:
@@ -176,11 +149,6 @@ class Batcher:
                 return index
         return len(self.config.buckets) - 1
 
-    def oldest(self, priority: int) -> float | None:
-        """When the oldest live item of ``priority`` was queued (loop clock), or None."""
-        heads = (_front(queues[priority]) for queues in self._queues)
-        return min((item.enqueued_at for item in heads if item is not None), default=None)
-
     def standing(self, now: float) -> bool:
         since = self._nonempty_since
         return since is not None and now - since > self.config.standing_after_s
@@ -200,23 +168,6 @@ class Batcher:
         self._count(item, +1)
         item.future.add_done_callback(functools.partial(self._left_queue, item))
         self._wake.set()
-
-    def _count(self, item: Item, sign: int) -> None:
-        self._depth[item.priority] += sign
-        self._cost[item.priority] += sign * item.cost
-        self._counts[item.bucket][item.priority] += sign
-        if sign > 0:
-            self._idle.clear()
-        if item.priority == JOB:  # job items make no queue stand and no inline wait
-            self._job_bucket_depth[item.bucket] += sign
-            return
-        self._bucket_depth[item.bucket] += sign
-        if sign > 0 and self._nonempty_since is None:
-            self._nonempty_since = item.enqueued_at
-            self._inline_clear.clear()
-        elif sign < 0 and not any(self._depth[:JOB]):
-            self._nonempty_since = None
-            self._inline_clear.set()
 
     def _maybe_idle(self) -> None:
         # Only ever set when truly idle, so a drain waiting on it cannot wake early
@@ -295,7 +246,7 @@ class Batcher:
         for bucket, queues in enumerate(self._queues):
             if not depth[bucket]:
                 continue
-            heads = [_front(queue) for queue in queues[lane]]
+            heads = [first_live(queue) for queue in queues[lane]]
             if all(item is None for item in heads):
                 # Counted but no longer live: answered or cancelled, and its done
                 # callback (which fixes the counts) has not run yet.
@@ -492,12 +443,6 @@ class Batcher:
         self._maybe_idle()
         if self._on_batch_done is not None:
             self._on_batch_done(batch)
-
-
-def _front(queue: deque[Item]) -> Item | None:
-    while queue and not queue[0].live:
-        queue.popleft()
-    return queue[0] if queue else None
 
 
 def _fail(items: Sequence[Item], error: VegaError) -> None:
