@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-PRIORITIES = ("critical", "normal", "sheddable")
+from vega.records import PRIORITY_NAMES
 
 
 class ConfigError(ValueError):
@@ -124,7 +124,7 @@ def _names(raw: str) -> tuple[str, ...]:
 
 def _classes(raw: str) -> tuple[str, ...]:
     names = tuple(part.strip().lower() for part in raw.split(",") if part.strip())
-    if any(name not in PRIORITIES for name in names):
+    if any(name not in PRIORITY_NAMES for name in names):
         raise ValueError
     return names
 

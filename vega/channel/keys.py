@@ -22,6 +22,16 @@ def done_key(model: str, batch: str) -> str:
     return f"vega:{{{model}}}:done:{batch}"
 
 
+def cache_entry_key(model: str, digest: str) -> str:
+    """A stored answer of the shared response cache (vega/pressure/cache.py)."""
+    return f"vega:{{{model}}}:cache:{digest}"
+
+
+def idempotency_key(model: str, digest: str) -> str:
+    """An Idempotency-Key's lock or stored answer (vega/pressure/idempotency.py)."""
+    return f"vega:{{{model}}}:idem:{digest}"
+
+
 def reply_key(node: str) -> str:
     return f"vega:reply:{node}"
 

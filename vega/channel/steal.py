@@ -13,10 +13,11 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis import exceptions as rexc
 
+from vega.channel.client import CONNECTION_ERRORS
 from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
@@ -26,6 +27,7 @@ from vega.channel.keys import (
     overflow_key,
     reply_key,
 )
+from vega.channel.link import Link
 from vega.channel.wire import (
     Overflow,
     Reply,
@@ -38,18 +40,13 @@ from vega.channel.wire import (
 from vega.errors import VegaError
 from vega.records import NORMAL, Batch, Item
 
-if TYPE_CHECKING:
-    from vega.streams import Streams
-
 log = logging.getLogger("vega.streams")
-
-CONNECTION_ERRORS = (rexc.ConnectionError, rexc.TimeoutError)
 
 
 class Thief:
-    """Steal and reclaim loops of one process, over the connection its Streams holds."""
+    """Steal and reclaim loops of one process, over its end of the side channel."""
 
-    def __init__(self, link: Streams) -> None:
+    def __init__(self, link: Link) -> None:
         self.link = link
         self.node = link.node
         self.settings = link.settings

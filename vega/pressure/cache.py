@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from vega.channel.client import SideRedis, Unavailable
+from vega.channel.keys import cache_entry_key
 from vega.config import Settings
 from vega.metrics import Metrics
 from vega.models import ModelAdapter
@@ -39,7 +40,7 @@ def cache_key(model: str, version: str, single: bool, instances: Any) -> str:
     for part in (model.encode(), version.encode(), b"1" if single else b"n"):
         digest.update(len(part).to_bytes(4, "big") + part)
     digest.update(orjson.dumps(instances, option=orjson.OPT_SORT_KEYS))
-    return f"vega:{{{model}}}:cache:{digest.hexdigest()}"
+    return cache_entry_key(model, digest.hexdigest())
 
 
 class LruBytes:

@@ -32,6 +32,7 @@ import orjson
 from redis.asyncio import Redis
 
 from vega.channel.client import SideRedis, Unavailable
+from vega.channel.keys import idempotency_key
 from vega.errors import VegaError, invalid_input
 from vega.metrics import Metrics
 
@@ -90,7 +91,7 @@ def fingerprint(doc: Any) -> str:
 
 
 def redis_key(model: str, key: str) -> str:
-    return f"vega:{{{model}}}:idem:{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}"
+    return idempotency_key(model, hashlib.blake2b(key.encode(), digest_size=16).hexdigest())
 
 
 class Idempotency:
