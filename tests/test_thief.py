@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis.asyncio as aioredis
 
 from tests.infra import RedisServer, require
 from tests.models import echo
 from vega.batcher import Batcher, BatcherConfig
+from vega.channel.client import connect
 from vega.channel.keys import GROUP, dlq_key, done_key, overflow_key, reply_key
 from vega.channel.link import Link
 from vega.channel.steal import Thief
@@ -36,8 +36,14 @@ CODES = frozenset({"model_error", "declined", "dead_letter"})
 MODEL = "echo"
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@pytest.fixture(scope="module", params=["standalone", "cluster"])
+def redis_url(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One redis-server, then a three-primary Redis Cluster (the reply stream and the
+    model's keys on different slots)."""
+    if request.param == "cluster":
+        yield request.getfixturevalue("redis_cluster").url
+        return
     require("redis-server")
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server.url
@@ -50,7 +56,7 @@ class Rig:
     def __init__(self, url: str, node: str, **env: str) -> None:
         settings = load_settings(environ={
             "VEGA_REDIS_URL": url, "VEGA_NODE_ID": node, "VEGA_LENGTH_BUCKETS": "16",
-            "VEGA_MAX_BATCH_SIZE": "4", **env})
+            "VEGA_MAX_BATCH_SIZE": "4", "VEGA_REDIS_TIMEOUT_MS": "2000", **env})
         adapter = echo(MODEL)
         batcher = Batcher(BatcherConfig.from_settings(settings, MODEL, adapter.max_length),
                           self._never)
@@ -59,7 +65,7 @@ class Rig:
         self.link = Link(settings, node, Metrics(), {MODEL: (adapter, batcher)}, self._run)
         self.link.take_back = lambda key, why: self.taken_back.append((key, why))
         self.thief = Thief(self.link)
-        self.look: Any = aioredis.Redis.from_url(url)  # untyped: replies are bytes here
+        self.look: Any = connect(url, 2.0)  # untyped: replies are bytes here
         self.tasks: list[asyncio.Task[None]] = []
 
     async def _never(self, batch: Batch) -> None:

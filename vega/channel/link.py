@@ -16,10 +16,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from redis import exceptions as rexc
-from redis.asyncio import Redis
 
 from vega.batcher import Batcher
-from vega.channel.client import connect
+from vega.channel.client import Client, connect, sharded
 from vega.channel.keys import GROUP, overflow_key
 from vega.config import Settings
 from vega.metrics import Metrics
@@ -52,6 +51,7 @@ class Link:
         self.run_local = run_local
         self.timeout_s = settings.redis_timeout_ms / 1000
         self.cmd = self.client(self.timeout_s)  # every non-blocking command
+        self.sharded = sharded(self.cmd)  # a Redis Cluster: one transaction, one slot
         self.up_event = asyncio.Event()  # set while Redis answers
         self.stealing = True  # False once draining: read no more peers' batches
         # Batches handed off, stolen from peers, and taken back from the stream, so far.
@@ -59,7 +59,7 @@ class Link:
         self.on_error: Callable[[BaseException], None] = _log_refused
         self.take_back: Callable[[str, str], None] = _no_take_back
 
-    def client(self, timeout_s: float) -> Redis:
+    def client(self, timeout_s: float) -> Client:
         """A client of its own (a blocking reader's), commands bounded by ``timeout_s``."""
         return connect(self.settings.redis_url, timeout_s, connect_timeout_s=self.timeout_s)
 

@@ -181,13 +181,20 @@ class Thief:
         return entry
 
     async def _reply(self, entry: Overflow, entry_id: Any, reply: Reply) -> None:
-        """Answer, mark done and acknowledge in one transaction."""
+        """Answer, mark done and acknowledge in one transaction.
+
+        In a Redis Cluster the origin's reply stream is in another slot than the model's
+        keys: the answer goes first, then the rest; a thief dying between the two leaves
+        the entry pending, and a second run's reply is dropped by the origin as late.
+        """
         ttl_ms = self.link.done_ttl_ms((entry.deadline_ms - wall_ms()) / 1000)
         async with self.link.cmd.pipeline(transaction=True) as pipe:
-            pipe.set(done_key(entry.model, entry.batch), self.node, nx=True, px=ttl_ms)
             pipe.xadd(reply_key(entry.origin), encode_reply(reply),  # type: ignore[arg-type]
                       maxlen=self.settings.stream_maxlen, approximate=True)
             pipe.pexpire(reply_key(entry.origin), REPLY_TTL_MS)
+            if self.link.sharded:
+                await pipe.execute()
+            pipe.set(done_key(entry.model, entry.batch), self.node, nx=True, px=ttl_ms)
             pipe.xack(overflow_key(entry.model), GROUP, entry_id)
             pipe.xdel(overflow_key(entry.model), entry_id)
             await pipe.execute()
