@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from vega.channel.url import parse_redis_url
 from vega.records import PRIORITY_NAMES
 
 
@@ -103,8 +104,8 @@ def _buckets(raw: str) -> tuple[int, ...]:
 
 def _redis_url(raw: str) -> str:
     value = raw.strip()
-    if value and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
-        raise ValueError
+    if value:
+        parse_redis_url(value)  # ValueError when it names no Redis
     return value
 
 
@@ -224,8 +225,13 @@ class Settings:
         "On SIGTERM, longest wait for admitted work before exiting.")
     access_log: bool = setting("false", _bool, "true or false",
         "Log every request (uvicorn access log).")
-    redis_url: str = setting("", _redis_url, "redis://, rediss://, unix:// URL or empty",
-        "Redis for overflow between processes; empty = this process alone.", secret=True)
+    redis_url: str = setting("", _redis_url,
+        "empty, redis://host:port/db (rediss:// TLS, unix:///path), "
+        "redis+cluster://host:port,host:port (seed nodes) or "
+        "redis+sentinel://host:port,host:port/primary-name",
+        "Redis for overflow between processes: one server, a Redis Cluster "
+        "(redis+cluster://seed,seed) or a Sentinel-managed primary "
+        "(redis+sentinel://sentinel,sentinel/name); empty = this process alone.", secret=True)
     node_id: str = setting("", _node_id, "1-64 of A-Z a-z 0-9 _ . : -",
         "Name of this process in Redis (default: host-pid).")
     auth_tokens: str = setting("", _text, "comma-separated tokens or empty",
@@ -313,13 +319,12 @@ _BY_ENV = {spec.env: spec for spec in SPECS}
 
 
 def mask_url(url: str) -> str:
-    """Hide the password of a URL, keep the rest readable."""
+    """Hide the password of a URL (one host or several), keep the rest readable."""
     parts = urlsplit(url)
-    if parts.password is None:
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
@@ -371,7 +376,9 @@ def load_settings(
         try:
             values[spec.name] = spec.parse(raw[spec.env])
         except (ValueError, TypeError):
-            shown = "***" if spec.secret else raw[spec.env]
+            shown = raw[spec.env]
+            if spec.secret:
+                shown = mask_url(shown) if "://" in shown else "***"
             raise ConfigError(
                 f"{spec.env}={shown!r} is not allowed: expected {spec.allowed}") from None
     settings = Settings(**values)

@@ -7,8 +7,9 @@ there before the XADD). Idle peers read the stream through the ``workers`` group
 the batch and answer on ``vega:reply:<origin>``, which one task here reads (the
 thief's side is vega/channel/steal.py). The origin owns the timeout: a batch not answered in
 time is taken back and run locally, or failed with 504. Redis away means everything
-runs locally until it is back. This module holds the connection, the origin's side and
-the heartbeats.
+runs locally until it is back. This module holds the origin's side and the connection's
+ups and downs; both sides share one ``vega.channel.link.Link``, and the heartbeats are
+vega/channel/peers.py.
 """
 
 from __future__ import annotations
@@ -17,28 +18,18 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from redis import exceptions as rexc
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
 from vega.admission import PENDING_PER_SPARE
-from vega.batcher import Batcher
-from vega.channel.keys import (
-    BLOCK_MS,
-    GROUP,
-    NODES,
-    done_key,
-    node_key,
-    overflow_key,
-    reply_key,
-)
-from vega.channel.steal import CONNECTION_ERRORS, Thief
+from vega.channel.client import CONNECTION_ERRORS
+from vega.channel.keys import BLOCK_MS, GROUP, done_key, overflow_key, reply_key
+from vega.channel.link import Link, Models, RunLocal, log_end
+from vega.channel.peers import Peers
+from vega.channel.steal import Thief
 from vega.channel.wire import (
     Overflow,
     Reply,
@@ -51,8 +42,7 @@ from vega.channel.wire import (
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.metrics import Metrics
-from vega.models import ModelAdapter
-from vega.records import PRIORITY_NAMES, Batch
+from vega.records import Batch
 
 log = logging.getLogger("vega.streams")
 
@@ -63,8 +53,6 @@ _DELETE_UNLESS_DELIVERED = """
 if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) > 0 then return -1 end
 return redis.call('XDEL', KEYS[1], ARGV[2])
 """
-
-RunLocal = Callable[[Batch], Awaitable[None]]
 
 
 @dataclass
@@ -79,49 +67,57 @@ class Handoff:
 
 
 class Streams:
-    def __init__(self, settings: Settings, node: str, metrics: Metrics,
-                 models: Mapping[str, tuple[ModelAdapter, Batcher]], run_local: RunLocal) -> None:
+    """The origin's side of overflow, and the loops of both sides."""
+
+    def __init__(self, settings: Settings, node: str, metrics: Metrics, models: Models,
+                 run_local: RunLocal) -> None:
+        self.link = link = Link(settings, node, metrics, models, run_local)
+        link.on_error, link.take_back = self.redis_error, self._take_back
         self.settings = settings
         self.node = node
         self.metrics = metrics
-        self.models = dict(models)
+        self.models = link.models
         self.run_local = run_local
+        self.cmd = link.cmd
+        self.up_event = link.up_event
+        self.counts = link.counts
         self._boot = os.urandom(4).hex()
-        self.timeout_s = settings.redis_timeout_ms / 1000
+        self.timeout_s = link.timeout_s
         self._margin_s = settings.deadline_margin_ms / 1000
-        self._skew_ms = settings.clock_skew_ms
-        self.cmd = self.client(self.timeout_s)
         self._pending: dict[str, Handoff] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
-        self.up_event = asyncio.Event()
         self._connecting: asyncio.Task[None] | None = None
         self._reply_from = "$"
         self.rtt_s = 0.005  # replaced by measurements
-        self.stealing = True
-        self.peers: list[dict[str, Any]] = []
-        # Batches handed off, stolen from peers, and taken back from the stream, so far.
-        self.counts = {"offered": 0, "taken": 0, "taken_back": 0}
-        self.thief = Thief(self)
+        self.heart = Peers(link, lambda: len(self._pending))
+        self.thief = Thief(link)
         metrics.redis_up.set(0)
-
-    def client(self, timeout_s: float) -> Redis:
-        # from_url adds no Retry of its own: say explicitly how little to retry.
-        return Redis.from_url(self.settings.redis_url, socket_timeout=timeout_s,
-                              socket_connect_timeout=self.timeout_s, max_connections=64,
-                              retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1,
-                                          supported_errors=(rexc.ConnectionError,)))
 
     @property
     def up(self) -> bool:
-        return self.up_event.is_set()
+        return self.link.up
+
+    @property
+    def stealing(self) -> bool:
+        return self.link.stealing
+
+    @stealing.setter
+    def stealing(self, value: bool) -> None:
+        self.link.stealing = value
+
+    @property
+    def peers(self) -> list[dict[str, Any]]:
+        """The live peers, as their last heartbeats say (what /v1/status shows)."""
+        return self.heart.live
+
+    @peers.setter
+    def peers(self, value: list[dict[str, Any]]) -> None:
+        self.heart.live = value
 
     def lent(self, model: str) -> float:
         """Executor threads the live peers say they can lend for ``model`` (0 when Redis is away)."""
-        if not self.up:
-            return 0.0
-        return float(sum(peer["spare"].get(model, 0) for peer in self.peers
-                         if peer["stealing"] and isinstance(peer.get("spare"), dict)))
+        return self.heart.lent(model)
 
     def room(self, model: str) -> bool:
         """Whether a batch handed off now would be taken: fewer are waiting than peers lend."""
@@ -134,12 +130,12 @@ class Streams:
         self._reconnect()
         loops: list[tuple[str, Awaitable[None]]] = [
             ("replies", self._reply_loop()), ("reclaim", self.thief.reclaim_loop()),
-            ("heartbeat", self._heartbeat_loop())]
+            ("heartbeat", self.heart.loop())]
         loops += [(f"steal-{m}", self.thief.steal_loop(m)) for m in self.models]
         for name, loop in loops:
             task = asyncio.ensure_future(loop)
             task.set_name(f"streams-{name}")
-            task.add_done_callback(_log_end)
+            task.add_done_callback(log_end)
             self._tasks.append(task)
 
     async def stop(self) -> None:
@@ -156,18 +152,14 @@ class Streams:
             _, stuck = await asyncio.wait(tasks, timeout=BLOCK_MS / 1000 + self.timeout_s + 1)
             if stuck:
                 log.warning("%d overflow task(s) did not stop in time", len(stuck))
-        try:
-            await self.cmd.delete(node_key(self.node))
-            await self.cmd.zrem(NODES, self.node)
-        except rexc.RedisError:
-            pass
+        await self.heart.leave()
         await self.cmd.aclose()
 
     def _spawn(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
-        task.add_done_callback(_log_end)
+        task.add_done_callback(log_end)
 
     # -- Redis up and down ---------------------------------------------------------
 
@@ -185,7 +177,7 @@ class Streams:
     def _reconnect(self) -> None:
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.ensure_future(self._connect())
-            self._connecting.add_done_callback(_log_end)
+            self._connecting.add_done_callback(log_end)
 
     async def _connect(self) -> None:
         delay_s = 0.1
@@ -202,7 +194,7 @@ class Streams:
                 if self._reply_from == "$":  # replies from now on, even before the reader reads
                     self._reply_from = f"{seconds * 1000 + micros // 1000}-0"
                 for model in self.models:
-                    await self.ensure_group(model)
+                    await self.link.ensure_group(model)
                 break
             except rexc.RedisError as error:
                 log.debug("redis connect failed: %r; next try in %.1f s", error, delay_s)
@@ -211,13 +203,6 @@ class Streams:
         log.info("redis up: overflow on for %s", ", ".join(self.models))
         self.metrics.redis_up.set(1)
         self.up_event.set()
-
-    async def ensure_group(self, model: str) -> None:
-        try:
-            await self.cmd.xgroup_create(overflow_key(model), GROUP, id="$", mkstream=True)
-        except rexc.ResponseError as error:
-            if "BUSYGROUP" not in str(error):
-                raise
 
     # -- the origin: hand off, replies, take back ----------------------------------
 
@@ -306,10 +291,6 @@ class Streams:
         loop = asyncio.get_running_loop()
         handoff.timer = loop.call_at(handoff.last_call, self._take_back, key, "timeout")
 
-    def take_back(self, key: str, why: str) -> None:
-        """Run a batch of ours here after all (our own thief read it while idle)."""
-        self._take_back(key, why)
-
     def _take_back(self, key: str, why: str) -> None:
         """The peers did not answer in time (or cannot): run it here if the deadline allows."""
         handoff = self._pending.pop(key, None)
@@ -335,7 +316,7 @@ class Streams:
 
     async def _forget(self, model: str, key: str, entry_id: Any, deadline: float) -> None:
         """Tell peers the batch is answered: a thief or a reclaimer will not run it."""
-        ttl_ms = self.done_ttl_ms(deadline - asyncio.get_running_loop().time())
+        ttl_ms = self.link.done_ttl_ms(deadline - asyncio.get_running_loop().time())
         try:
             async with self.cmd.pipeline(transaction=True) as pipe:
                 pipe.set(done_key(model, key), self.node, nx=True, px=ttl_ms)
@@ -344,12 +325,9 @@ class Streams:
         except rexc.RedisError as error:
             self.redis_error(error)
 
-    def done_ttl_ms(self, remaining_s: float) -> int:
-        return int(max(0.0, 1000 * remaining_s) + 2 * self.settings.claim_idle_ms + 1000)
-
     async def _reply_loop(self) -> None:
         """One task, one connection: XREAD BLOCK on our reply stream (rule 8)."""
-        client = self.client(BLOCK_MS / 1000 + self.timeout_s)
+        client = self.link.client(BLOCK_MS / 1000 + self.timeout_s)
         key = reply_key(self.node)
         try:
             while True:
@@ -410,49 +388,6 @@ class Streams:
         self.rtt_s = 0.8 * self.rtt_s + 0.2 * max(0.0, round_trip_s)
         self.metrics.steal_rtt.set(self.rtt_s)
 
-    # -- heartbeats ----------------------------------------------------------------
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await self.up_event.wait()
-            try:
-                await self._beat()
-            except rexc.RedisError as error:
-                self.redis_error(error)
-            except Exception:
-                log.exception("heartbeat failed")
-            await asyncio.sleep(self.settings.heartbeat_ms / 1000)
-
-    async def _beat(self) -> None:
-        now_ms = wall_ms()
-        ttl_ms = 3 * self.settings.heartbeat_ms + 500  # a busy peer's late beat is not death
-        state = {
-            "node": self.node, "time_ms": now_ms, "stealing": int(self.stealing),
-            "models": orjson.dumps(list(self.models)),
-            "depth": orjson.dumps({m: {p: b.depth(i) for i, p in enumerate(PRIORITY_NAMES)}
-                                   for m, (_, b) in self.models.items()}),
-            "service_rate": orjson.dumps({m: round(b.rate.items_per_s, 1)
-                                          for m, (_, b) in self.models.items()}),
-            "inflight": sum(b.inflight for _, b in self.models.values()),
-            "handed_off": len(self._pending),
-            "spare": orjson.dumps({m: b.spare_threads if self.stealing else 0
-                                   for m, (_, b) in self.models.items()}),
-        }
-        async with self.cmd.pipeline(transaction=False) as pipe:
-            pipe.hset(node_key(self.node), mapping=state)  # type: ignore[arg-type]
-            pipe.pexpire(node_key(self.node), ttl_ms)
-            pipe.zadd(NODES, {self.node: now_ms})
-            pipe.zremrangebyscore(NODES, 0, now_ms - ttl_ms)
-            pipe.zrange(NODES, 0, -1)
-            *_, nodes = await pipe.execute()
-        others = [n.decode() for n in nodes if n.decode() != self.node]
-        async with self.cmd.pipeline(transaction=False) as pipe:
-            for other in others:
-                pipe.hgetall(node_key(other))
-            states = await pipe.execute() if others else []
-        self.peers = [peer for peer in map(_peer, states) if peer is not None]
-        self.metrics.peers.set(len(self.peers))
-
     def redis_error(self, error: BaseException) -> None:
         if isinstance(error, CONNECTION_ERRORS):
             self._lost(error)
@@ -460,24 +395,8 @@ class Streams:
             log.error("redis refused a command: %r", error)
 
 
-def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
-    """A heartbeat as /v1/status shows it; None if it expired or does not parse."""
-    try:
-        return {"node": state[b"node"].decode(), "age_ms": wall_ms() - int(state[b"time_ms"]),
-                "models": orjson.loads(state[b"models"]), "depth": orjson.loads(state[b"depth"]),
-                "service_rate": orjson.loads(state[b"service_rate"]),
-                "inflight": int(state[b"inflight"]), "stealing": state[b"stealing"] == b"1",
-                "spare": orjson.loads(state.get(b"spare", b"{}"))}
-    except (KeyError, ValueError, orjson.JSONDecodeError):
-        return None
-
-
 def _fail(batch: Batch, error: VegaError) -> None:
     for item in batch.items:
         if not item.future.done():
             item.future.set_exception(error)
 
-
-def _log_end(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("overflow task died: %r", task.exception(), exc_info=task.exception())

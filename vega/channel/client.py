@@ -1,38 +1,113 @@
-"""Redis for request-path side tiers (shared cache, idempotency keys).
+"""The one Redis client factory, and the request path's guard around it.
+
+Every Redis client Vega holds comes from ``connect``: the overflow streams, the shared
+cache and idempotency tiers. ``VEGA_REDIS_URL`` names one server, a Redis Cluster (seed
+nodes) or a Sentinel-managed primary (vega/channel/url.py); ``connect`` returns
+redis-py's own client for each, so callers use the same commands on all three as long
+as all keys of one command, transaction or script share a slot (vega/channel/keys.py).
 
 The request path never waits on Redis longer than ``VEGA_REDIS_TIMEOUT_MS``: the
-client's socket timeout bounds every command, so no await is ever cancelled or
-wrapped in ``wait_for`` (a cancelled redis-py command drops its connection). After
-a failure the tier is skipped for a short while and the caller works locally.
+client's socket timeout bounds every command, so no await is ever cancelled or wrapped
+in ``wait_for`` (a cancelled redis-py command drops its connection). After a failure a
+side tier is skipped for a short while and the caller works locally.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from redis import exceptions as rexc
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
+from vega.channel.url import CLUSTER, SENTINEL, parse_redis_url
+
 T = TypeVar("T")
+Client: TypeAlias = "Redis | RedisCluster"
 
 DOWN_FOR_S = 1.0  # after a failure, skip Redis this long before trying again
+# What means "Redis is away" (serve locally, reconnect) rather than "Redis refused this":
+# a cluster with a slot's primary gone, or a Sentinel that names no primary, included.
+CONNECTION_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
+                     rexc.SlotNotCoveredError, rexc.TryAgainError)
 
 
 class Unavailable(Exception):
     """Redis did not answer in time (or recently failed): work locally."""
 
 
-def connect(url: str, timeout_s: float, max_connections: int = 64) -> Redis:
-    """A client whose every command is bounded by ``timeout_s``, with one quick retry."""
+def connect(url: str, timeout_s: float, *, connect_timeout_s: float | None = None,
+            max_connections: int = 64) -> Client:
+    """A client for ``url`` (``VEGA_REDIS_URL``) whose every command is bounded by ``timeout_s``.
+
+    ``connect_timeout_s`` (default ``timeout_s``) bounds opening a connection; a
+    blocking reader passes its block time plus the command timeout as ``timeout_s``
+    and the command timeout here. One quick retry on a dropped connection, no more
+    (a cluster's redirects are followed besides). Nothing connects until the first
+    command. Raises ValueError for a URL that names no Redis (config validates it first).
+    """
+    target = parse_redis_url(url)
+    connect_s = connect_timeout_s or timeout_s
     # from_url adds no Retry of its own: say explicitly how little to retry.
-    return Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                          max_connections=max_connections,
-                          retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1,
-                                      supported_errors=(rexc.ConnectionError,)))
+    retry = Retry(ExponentialBackoff(cap=0.05, base=0.01), 1,
+                  supported_errors=(rexc.ConnectionError,))
+    common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_s,
+                              "max_connections": max_connections, "retry": retry}
+    if target.mode == CLUSTER:
+        return _Cluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
+                        username=target.username, password=target.password, ssl=target.tls,
+                        **common)
+    if target.mode == SENTINEL:
+        sentinels = Sentinel(list(target.nodes), sentinel_kwargs={  # type: ignore[no-untyped-call]
+            "socket_timeout": timeout_s, "socket_connect_timeout": connect_s, "ssl": target.tls})
+        client: Redis = sentinels.master_for(
+            target.service, db=target.db, username=target.username,
+            password=target.password, ssl=target.tls, **common)
+        return client
+    return Redis.from_url(url, **common)
+
+
+def sharded(client: Client) -> bool:
+    """Whether keys of different slots may live on different servers (a Redis Cluster)."""
+    return isinstance(client, RedisCluster)
+
+
+def _closed_under(error: Exception) -> rexc.ConnectionError:
+    return rexc.ConnectionError(f"connection closed under a command: {error!r}")
+
+
+class _Cluster(RedisCluster):
+    """redis-py's cluster client, whose every failure is a RedisError.
+
+    After a timeout it disconnects a node's idle connections while other commands may
+    be starting on them; those fail with the transport's RuntimeError or
+    AttributeError, which here become the connection errors they are.
+    """
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except (RuntimeError, AttributeError) as error:
+            raise _closed_under(error) from error
+
+    def pipeline(self, transaction: Any | None = None,
+                 shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # refused there
+        return _ClusterPipeline(self, transaction)  # type: ignore[abstract]
+
+
+class _ClusterPipeline(ClusterPipeline):
+    async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            return await super().execute(*args, **kwargs)
+        except (RuntimeError, AttributeError) as error:
+            raise _closed_under(error) from error
 
 
 class SideRedis:
@@ -47,7 +122,7 @@ class SideRedis:
     def up(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    async def run(self, op: Callable[[Redis], Awaitable[T]]) -> T:
+    async def run(self, op: Callable[[Client], Awaitable[T]]) -> T:
         """``op(client)``, or Unavailable when Redis is away or too slow."""
         if not self.up:
             raise Unavailable()

@@ -42,6 +42,16 @@ def job_dead_key(model: str) -> str:
     return f"vega:{{{model}}}:jobs:dead"
 
 
+def cache_entry_key(model: str, digest: str) -> str:
+    """A stored answer of the shared response cache (vega/pressure/cache.py)."""
+    return f"vega:{{{model}}}:cache:{digest}"
+
+
+def idempotency_key(model: str, digest: str) -> str:
+    """An Idempotency-Key's lock or stored answer (vega/pressure/idempotency.py)."""
+    return f"vega:{{{model}}}:idem:{digest}"
+
+
 def reply_key(node: str) -> str:
     return f"vega:reply:{node}"
 

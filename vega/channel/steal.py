@@ -13,10 +13,11 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis import exceptions as rexc
 
+from vega.channel.client import CONNECTION_ERRORS
 from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
@@ -26,6 +27,7 @@ from vega.channel.keys import (
     overflow_key,
     reply_key,
 )
+from vega.channel.link import Link
 from vega.channel.wire import (
     Overflow,
     Reply,
@@ -38,18 +40,13 @@ from vega.channel.wire import (
 from vega.errors import VegaError
 from vega.records import NORMAL, Batch, Item
 
-if TYPE_CHECKING:
-    from vega.streams import Streams
-
 log = logging.getLogger("vega.streams")
-
-CONNECTION_ERRORS = (rexc.ConnectionError, rexc.TimeoutError)
 
 
 class Thief:
-    """Steal and reclaim loops of one process, over the connection its Streams holds."""
+    """Steal and reclaim loops of one process, over its end of the side channel."""
 
-    def __init__(self, link: Streams) -> None:
+    def __init__(self, link: Link) -> None:
         self.link = link
         self.node = link.node
         self.settings = link.settings
@@ -184,13 +181,20 @@ class Thief:
         return entry
 
     async def _reply(self, entry: Overflow, entry_id: Any, reply: Reply) -> None:
-        """Answer, mark done and acknowledge in one transaction."""
+        """Answer, mark done and acknowledge in one transaction.
+
+        In a Redis Cluster the origin's reply stream is in another slot than the model's
+        keys: the answer goes first, then the rest; a thief dying between the two leaves
+        the entry pending, and a second run's reply is dropped by the origin as late.
+        """
         ttl_ms = self.link.done_ttl_ms((entry.deadline_ms - wall_ms()) / 1000)
         async with self.link.cmd.pipeline(transaction=True) as pipe:
-            pipe.set(done_key(entry.model, entry.batch), self.node, nx=True, px=ttl_ms)
             pipe.xadd(reply_key(entry.origin), encode_reply(reply),  # type: ignore[arg-type]
                       maxlen=self.settings.stream_maxlen, approximate=True)
             pipe.pexpire(reply_key(entry.origin), REPLY_TTL_MS)
+            if self.link.sharded:
+                await pipe.execute()
+            pipe.set(done_key(entry.model, entry.batch), self.node, nx=True, px=ttl_ms)
             pipe.xack(overflow_key(entry.model), GROUP, entry_id)
             pipe.xdel(overflow_key(entry.model), entry_id)
             await pipe.execute()

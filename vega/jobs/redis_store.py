@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from redis import exceptions as rexc
@@ -245,7 +245,9 @@ class RedisStore:
             return []
         async with self.cmd.pipeline(transaction=False) as pipe:
             for job in jobs:
-                await self._scripts["start"](keys=[job_key(job.model, job.id)], client=pipe)
+                # a pipeline runs scripts too (EVALSHA); the stubs name only clients
+                await self._scripts["start"](keys=[job_key(job.model, job.id)],
+                                             client=cast(Any, pipe))
             attempts = await pipe.execute()
         runnable = []
         for job, attempt in zip(jobs, attempts):

@@ -16,8 +16,9 @@ from typing import Any, NamedTuple, TypedDict
 import orjson
 
 from vega.lab.hdr import Histogram
+from vega.records import PRIORITY_NAMES
 
-PRIORITIES = ("critical", "normal", "sheddable")
+PRIORITIES = PRIORITY_NAMES  # the request classes, highest first
 NO_ANSWER = ("unsent", "timeout", "connection")
 REFUSED_STATUSES = frozenset({429, 503})
 TIMELINE_PERCENTILES = (50.0, 90.0, 99.0)

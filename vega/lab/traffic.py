@@ -36,7 +36,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-PRIORITIES = ("critical", "normal", "sheddable")
+from vega.records import PRIORITY_NAMES
+
+PRIORITIES = PRIORITY_NAMES  # the request classes, highest first
 MAX_DISTINCT_LENGTHS = 1024
 
 FloatArray = npt.NDArray[np.float64]

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from vega.channel.client import SideRedis, Unavailable
+from vega.channel.keys import cache_entry_key
 from vega.config import Settings
 from vega.metrics import Metrics
 from vega.models import ModelAdapter
@@ -41,7 +42,7 @@ def cache_key(model: str, version: str, variant: str, instances: Any) -> str:
         digest.update(len(part).to_bytes(4, "big") + part)
     digest.update(orjson.dumps(instances,
                                option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY))
-    return f"vega:{{{model}}}:cache:{digest.hexdigest()}"
+    return cache_entry_key(model, digest.hexdigest())
 
 
 class LruBytes:

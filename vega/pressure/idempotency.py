@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from redis.asyncio import Redis
 
 from vega.calls import Reply
-from vega.channel.client import SideRedis, Unavailable
+from vega.channel.client import Client, SideRedis, Unavailable
+from vega.channel.keys import idempotency_key
 from vega.errors import VegaError, invalid_input
 from vega.metrics import Metrics
 
@@ -72,7 +72,7 @@ def fingerprint(doc: Any) -> str:
 
 
 def redis_key(model: str, key: str) -> str:
-    return f"vega:{{{model}}}:idem:{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}"
+    return idempotency_key(model, hashlib.blake2b(key.encode(), digest_size=16).hexdigest())
 
 
 class Idempotency:
@@ -210,7 +210,7 @@ class Idempotency:
             pass  # the lock expires with the attempt's deadline; this process remembers
 
 
-async def _set_if_absent(client: Redis, key: str, value: bytes, px: int) -> bool:
+async def _set_if_absent(client: Client, key: str, value: bytes, px: int) -> bool:
     return bool(await client.set(key, value, nx=True, px=px))
 
 

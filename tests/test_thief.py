@@ -1,0 +1,192 @@
+"""The thief alone: built from a Link (no Streams, no runtime) against a real Redis.
+
+Entries are written with the wire format as an origin would; the local runner is a
+stub that answers each item with its sum, so what comes back on the origin's reply
+stream can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.infra import RedisServer, require
+from tests.models import echo
+from vega.batcher import Batcher, BatcherConfig
+from vega.channel.client import connect
+from vega.channel.keys import GROUP, dlq_key, done_key, overflow_key, reply_key
+from vega.channel.link import Link
+from vega.channel.steal import Thief
+from vega.channel.wire import (
+    Overflow,
+    decode_overflow,
+    decode_reply,
+    encode_overflow,
+    wall_ms,
+)
+from vega.config import load_settings
+from vega.metrics import Metrics
+from vega.records import Batch
+
+CODES = frozenset({"model_error", "declined", "dead_letter"})
+MODEL = "echo"
+
+
+@pytest.fixture(scope="module", params=["standalone", "cluster"])
+def redis_url(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One redis-server, then a three-primary Redis Cluster (the reply stream and the
+    model's keys on different slots)."""
+    if request.param == "cluster":
+        yield request.getfixturevalue("redis_cluster").url
+        return
+    require("redis-server")
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.stop()
+
+
+class Rig:
+    """A link, its thief, the batches the stub ran, and a plain client to look with."""
+
+    def __init__(self, url: str, node: str, **env: str) -> None:
+        settings = load_settings(environ={
+            "VEGA_REDIS_URL": url, "VEGA_NODE_ID": node, "VEGA_LENGTH_BUCKETS": "16",
+            "VEGA_MAX_BATCH_SIZE": "4", "VEGA_REDIS_TIMEOUT_MS": "2000", **env})
+        adapter = echo(MODEL)
+        batcher = Batcher(BatcherConfig.from_settings(settings, MODEL, adapter.max_length),
+                          self._never)
+        self.ran: list[Batch] = []
+        self.taken_back: list[tuple[str, str]] = []
+        self.link = Link(settings, node, Metrics(), {MODEL: (adapter, batcher)}, self._run)
+        self.link.take_back = lambda key, why: self.taken_back.append((key, why))
+        self.thief = Thief(self.link)
+        self.look: Any = connect(url, 2.0)  # untyped: replies are bytes here
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def _never(self, batch: Batch) -> None:
+        raise AssertionError("the thief must run batches through run_local")
+
+    async def _run(self, batch: Batch) -> None:
+        """The stub local runner: each item's answer is its sum and length."""
+        self.ran.append(batch)
+        batch.infer_s = 0.002
+        for item in batch.items:
+            item.future.set_result(np.array([item.sample.sum(), item.length], np.float32))
+
+    async def start(self, *loops: Callable[[], Awaitable[None]]) -> None:
+        await self.look.delete(overflow_key(MODEL), dlq_key(MODEL))
+        await self.link.ensure_group(MODEL)
+        self.link.up_event.set()
+        self.tasks = [asyncio.ensure_future(loop()) for loop in loops]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.link.cmd.aclose()
+        await self.look.aclose()
+
+    def count(self, name: str, label: str) -> float:
+        family = self.link.metrics.overflow if name == "overflow" \
+            else self.link.metrics.overflow_events
+        return float(family.labels(label)._value.get())
+
+
+def entry(origin: str, batch: str, deadline_in_ms: int = 5000, attempt: int = 1) -> Overflow:
+    samples = (np.full((2, 8), 1.0, np.float32), np.full((3, 8), 0.5, np.float32))
+    return Overflow(origin=origin, batch=batch, model=MODEL,
+                    deadline_ms=wall_ms() + deadline_in_ms, sent_ms=wall_ms(), attempt=attempt,
+                    pad_to=3, lengths=(2, 3), samples=samples)
+
+
+async def eventually(check: Callable[[], Any], what: str, timeout_s: float = 10) -> None:
+    """Poll ``check`` (a value or a coroutine) until it is truthy."""
+    for _ in range(int(timeout_s / 0.02)):
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no {what} within {timeout_s} s")
+
+
+@pytest.fixture
+async def rig(redis_url: str) -> AsyncIterator[Rig]:
+    rig = Rig(redis_url, "thief-1", VEGA_CLAIM_IDLE_MS="200")
+    await rig.start(lambda: rig.thief.steal_loop(MODEL))
+    yield rig
+    await rig.stop()
+
+
+async def test_a_stolen_batch_is_run_answered_on_the_origin_s_stream_and_acked(rig: Rig) -> None:
+    await rig.look.delete(reply_key("origin-1"))
+    await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("origin-1", "origin-1.b.1")))
+    await eventually(lambda: rig.look.xlen(reply_key("origin-1")), "the reply")
+    [(_, fields)] = await rig.look.xrange(reply_key("origin-1"))
+    reply = decode_reply(fields, 2, CODES)
+    assert (reply.batch, reply.node, reply.error_code) == ("origin-1.b.1", "thief-1", "")
+    assert [list(o) for o in reply.outputs] == [[16.0, 2.0], [12.0, 3.0]]
+    assert reply.infer_ms == pytest.approx(2.0)
+    [batch] = rig.ran
+    assert batch.size == 2 and batch.pad_to == 3
+    # Answered, marked done and acknowledged: no reader will see it again.
+    assert await rig.look.xlen(overflow_key(MODEL)) == 0
+    assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
+    assert await rig.look.get(done_key(MODEL, "origin-1.b.1")) == b"thief-1"
+    assert 0 < await rig.look.pttl(reply_key("origin-1"))
+    assert rig.count("overflow", "in") == 1 and rig.link.counts["taken"] == 1
+
+
+async def test_a_malformed_entry_goes_to_the_dead_letter_stream_and_the_reader_lives(
+        rig: Rig) -> None:
+    await rig.look.xadd(overflow_key(MODEL), {"junk": "1"})
+    await eventually(lambda: rig.look.xlen(dlq_key(MODEL)), "the dead letter")
+    [(_, kept)] = await rig.look.xrange(dlq_key(MODEL))
+    assert kept[b"reason"].startswith(b"malformed") and kept[b"by"] == b"thief-1"
+    assert kept[b"field:junk"] == b"1"
+    assert await rig.look.xlen(overflow_key(MODEL)) == 0
+    assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
+    assert rig.count("events", "dead_lettered") == 1 and rig.ran == []
+    # The loop lives on: the next good entry is run.
+    await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("origin-2", "origin-2.b.1")))
+    await eventually(lambda: len(rig.ran) == 1, "the next entry to run")
+
+
+async def test_an_entry_it_cannot_finish_in_time_is_declined_not_run(rig: Rig) -> None:
+    await rig.look.delete(reply_key("origin-3"))
+    await rig.look.xadd(overflow_key(MODEL),
+                        encode_overflow(entry("origin-3", "origin-3.b.1", deadline_in_ms=1)))
+    await eventually(lambda: rig.look.xlen(reply_key("origin-3")), "the reply")
+    [(_, fields)] = await rig.look.xrange(reply_key("origin-3"))
+    assert decode_reply(fields, 2, CODES).error_code == "declined"
+    assert rig.ran == [] and await rig.look.xlen(overflow_key(MODEL)) == 0
+
+
+async def test_its_own_batch_read_while_idle_is_taken_back_without_a_round_trip(
+        rig: Rig) -> None:
+    await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("thief-1", "thief-1.b.9")))
+    await eventually(lambda: rig.taken_back, "the take-back")
+    assert rig.taken_back == [("thief-1.b.9", "idle again")] and rig.ran == []
+    assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
+
+
+async def test_a_dead_thief_s_entry_is_put_back_with_the_next_attempt(redis_url: str) -> None:
+    rig = Rig(redis_url, "reclaimer", VEGA_CLAIM_IDLE_MS="100")
+    await rig.start(rig.thief.reclaim_loop)
+    try:
+        await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("origin-4", "o4.b.1")))
+        # A thief that read it and died: pending on "ghost", never acknowledged.
+        await rig.look.xreadgroup(GROUP, "ghost", {overflow_key(MODEL): ">"}, count=1)
+        await eventually(lambda: rig.count("events", "reclaimed") == 1, "the reclaim")
+        [(_, fields)] = await rig.look.xrange(overflow_key(MODEL))
+        again = decode_overflow(fields)
+        assert (again.batch, again.attempt) == ("o4.b.1", 2)
+        assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
+    finally:
+        await rig.stop()

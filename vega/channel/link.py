@@ -1,0 +1,87 @@
+"""What the two sides of overflow share: the connection, this node, and its models.
+
+The origin's side (``vega.streams.Streams``) and the thief's side
+(``vega.channel.steal.Thief``) each hold one ``Link`` rather than each other, so a
+thief can be built and tested alone: give it a link to a Redis, a models map and a
+``run_local``. The origin sets the callbacks it cares about (``on_error`` to take its
+batches back when Redis goes away, ``take_back`` for a batch of its own that its
+thief read while idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from redis import exceptions as rexc
+
+from vega.batcher import Batcher
+from vega.channel.client import Client, connect, sharded
+from vega.channel.keys import GROUP, overflow_key
+from vega.config import Settings
+from vega.metrics import Metrics
+from vega.models import ModelAdapter
+from vega.records import Batch
+
+log = logging.getLogger("vega.streams")
+
+RunLocal = Callable[[Batch], Awaitable[None]]
+Models = Mapping[str, tuple[ModelAdapter, Batcher]]
+
+
+def _log_refused(error: BaseException) -> None:
+    log.error("redis refused a command: %r", error)
+
+
+def _no_take_back(key: str, why: str) -> None:
+    """A link without an origin side has no batches of its own to take back."""
+
+
+class Link:
+    """One process's end of the side channel: settings, node id, clients, shared state."""
+
+    def __init__(self, settings: Settings, node: str, metrics: Metrics, models: Models,
+                 run_local: RunLocal) -> None:
+        self.settings = settings
+        self.node = node
+        self.metrics = metrics
+        self.models = dict(models)
+        self.run_local = run_local
+        self.timeout_s = settings.redis_timeout_ms / 1000
+        self.cmd = self.client(self.timeout_s)  # every non-blocking command
+        self.sharded = sharded(self.cmd)  # a Redis Cluster: one transaction, one slot
+        self.up_event = asyncio.Event()  # set while Redis answers
+        self.stealing = True  # False once draining: read no more peers' batches
+        # Batches handed off, stolen from peers, and taken back from the stream, so far.
+        self.counts = {"offered": 0, "taken": 0, "taken_back": 0}
+        self.on_error: Callable[[BaseException], None] = _log_refused
+        self.take_back: Callable[[str, str], None] = _no_take_back
+
+    def client(self, timeout_s: float) -> Client:
+        """A client of its own (a blocking reader's), commands bounded by ``timeout_s``."""
+        return connect(self.settings.redis_url, timeout_s, connect_timeout_s=self.timeout_s)
+
+    @property
+    def up(self) -> bool:
+        return self.up_event.is_set()
+
+    def redis_error(self, error: BaseException) -> None:
+        self.on_error(error)
+
+    async def ensure_group(self, model: str) -> None:
+        try:
+            await self.cmd.xgroup_create(overflow_key(model), GROUP, id="$", mkstream=True)
+        except rexc.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+
+    def done_ttl_ms(self, remaining_s: float) -> int:
+        """How long a batch's "answered" mark must outlive its deadline."""
+        return int(max(0.0, 1000 * remaining_s) + 2 * self.settings.claim_idle_ms + 1000)
+
+
+def log_end(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("overflow task died: %r", task.exception(), exc_info=task.exception())

@@ -1,0 +1,103 @@
+"""Heartbeats: this process's state written to Redis, the live peers' states read back.
+
+Each beat writes ``vega:node:<id>`` (a hash with a TTL of three beats, so a busy
+peer's late beat is not death) and the registry ``vega:nodes`` (a sorted set, node
+-> last beat), then reads the other live nodes' hashes. The registry is what lists
+peers: no SCAN or KEYS, which a Redis Cluster would have to run on every primary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from redis import exceptions as rexc
+
+from vega.channel.keys import NODES, node_key
+from vega.channel.link import Link
+from vega.channel.wire import wall_ms
+from vega.records import PRIORITY_NAMES
+
+log = logging.getLogger("vega.streams")
+
+
+class Peers:
+    """The live peers as their last heartbeats describe them; our own beats."""
+
+    def __init__(self, link: Link, handed_off: Callable[[], int]) -> None:
+        self.link = link
+        self._handed_off = handed_off  # our batches waiting on peers now
+        self.live: list[dict[str, Any]] = []
+
+    def lent(self, model: str) -> float:
+        """Executor threads the live peers can lend for ``model`` (0 when Redis is away)."""
+        if not self.link.up:
+            return 0.0
+        return float(sum(peer["spare"].get(model, 0) for peer in self.live
+                         if peer["stealing"] and isinstance(peer.get("spare"), dict)))
+
+    async def loop(self) -> None:
+        settings = self.link.settings
+        while True:
+            await self.link.up_event.wait()
+            try:
+                await self.beat()
+            except rexc.RedisError as error:
+                self.link.redis_error(error)
+            except Exception:
+                log.exception("heartbeat failed")
+            await asyncio.sleep(settings.heartbeat_ms / 1000)
+
+    async def beat(self) -> None:
+        link, models = self.link, self.link.models
+        now_ms = wall_ms()
+        ttl_ms = 3 * link.settings.heartbeat_ms + 500  # a busy peer's late beat is not death
+        state = {
+            "node": link.node, "time_ms": now_ms, "stealing": int(link.stealing),
+            "models": orjson.dumps(list(models)),
+            "depth": orjson.dumps({m: {p: b.depth(i) for i, p in enumerate(PRIORITY_NAMES)}
+                                   for m, (_, b) in models.items()}),
+            "service_rate": orjson.dumps({m: round(b.rate.items_per_s, 1)
+                                          for m, (_, b) in models.items()}),
+            "inflight": sum(b.inflight for _, b in models.values()),
+            "handed_off": self._handed_off(),
+            "spare": orjson.dumps({m: b.spare_threads if link.stealing else 0
+                                   for m, (_, b) in models.items()}),
+        }
+        async with link.cmd.pipeline(transaction=False) as pipe:
+            pipe.hset(node_key(link.node), mapping=state)  # type: ignore[arg-type]
+            pipe.pexpire(node_key(link.node), ttl_ms)
+            pipe.zadd(NODES, {link.node: now_ms})
+            pipe.zremrangebyscore(NODES, 0, now_ms - ttl_ms)
+            pipe.zrange(NODES, 0, -1)
+            *_, nodes = await pipe.execute()
+        others = [n.decode() for n in nodes if n.decode() != link.node]
+        async with link.cmd.pipeline(transaction=False) as pipe:
+            for other in others:
+                pipe.hgetall(node_key(other))
+            states = await pipe.execute() if others else []
+        self.live = [peer for peer in map(_peer, states) if peer is not None]
+        link.metrics.peers.set(len(self.live))
+
+    async def leave(self) -> None:
+        """Say goodbye: peers stop counting on us at once, not a TTL later."""
+        try:
+            await self.link.cmd.delete(node_key(self.link.node))
+            await self.link.cmd.zrem(NODES, self.link.node)
+        except rexc.RedisError:
+            pass
+
+
+def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
+    """A heartbeat as /v1/status shows it; None if it expired or does not parse."""
+    try:
+        return {"node": state[b"node"].decode(), "age_ms": wall_ms() - int(state[b"time_ms"]),
+                "models": orjson.loads(state[b"models"]), "depth": orjson.loads(state[b"depth"]),
+                "service_rate": orjson.loads(state[b"service_rate"]),
+                "inflight": int(state[b"inflight"]), "stealing": state[b"stealing"] == b"1",
+                "spare": orjson.loads(state.get(b"spare", b"{}"))}
+    except (KeyError, ValueError, orjson.JSONDecodeError):
+        return None
