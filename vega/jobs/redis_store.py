@@ -6,14 +6,15 @@ result, with a TTL. Every step that must not be torn is one Lua script over the 
 of one model, which share its hash tag (one Cluster slot): submit (the Idempotency-Key,
 the depth bound, the record and the stream entry), start, finish (result, dead letter,
 acknowledgement) and cancel. A job whose record is already final is acknowledged, never
-run again. Values are orjson, checked on the way in: nothing from Redis is trusted.
+run again. Behind Sentinel a new job's 202 waits until a replica has it. Values are
+orjson, checked on the way in: nothing from Redis is trusted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, cast
+from typing import Any
 
 import orjson
 from redis import exceptions as rexc
@@ -28,6 +29,7 @@ from vega.channel.keys import (
     job_key,
     jobs_key,
 )
+from vega.channel.url import SENTINEL, parse_redis_url
 from vega.jobs.store import (
     FINAL,
     QUEUED,
@@ -63,12 +65,21 @@ if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4] .. '|' .. ARGV[1], 'PX'
 return {0, ARGV[1]}
 """
 
-# KEYS: job. The attempt number when it may run now, else -1 (finished or cancelled).
+# KEYS: the records of jobs of one model (one slot). Per job, its attempt number when it
+# may run now, else -1 (finished or cancelled). One script, not a pipeline of scripts: a
+# Redis Cluster client refuses scripts in a pipeline.
 _START = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'queued' and status ~= 'running' then return -1 end
-redis.call('HSET', KEYS[1], 'status', 'running')
-return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+local attempts = {}
+for i, key in ipairs(KEYS) do
+  local status = redis.call('HGET', key, 'status')
+  if status == 'queued' or status == 'running' then
+    redis.call('HSET', key, 'status', 'running')
+    attempts[i] = redis.call('HINCRBY', key, 'attempts', 1)
+  else
+    attempts[i] = -1
+  end
+end
+return attempts
 """
 
 # KEYS: job, stream, dlq, dead count. ARGV: status, finished ms, result ttl ms, entry,
@@ -143,6 +154,10 @@ class RedisStore:
             ("submit", _SUBMIT), ("start", _START), ("finish", _FINISH), ("retry", _RETRY),
             ("cancel", _CANCEL))}
         self._groups: set[str] = set()
+        # Behind Sentinel a 202 waits until a replica has the job, so that killing the
+        # primary right after it cannot lose it (replication is asynchronous).
+        self._replicas = 1 if parse_redis_url(url).mode == SENTINEL else 0
+        self._wait_ms = max(1, int(500 * timeout_s))  # within the command's own timeout
 
     async def _group(self, model: str) -> None:
         if model in self._groups:
@@ -168,6 +183,9 @@ class RedisStore:
             client=self.cmd)
         value = value.decode() if isinstance(value, bytes) else str(value)
         if code == 0:
+            if self._replicas and await self.cmd.wait(self._replicas, self._wait_ms) < 1:
+                log.warning("job %s: stored on the primary, no replica confirmed it in %d ms",
+                            job.id, self._wait_ms)
             return Submitted(job.id, QUEUED, True)
         if code == 1:
             earlier = await self.get(job.model, value)
@@ -241,20 +259,21 @@ class RedisStore:
         return jobs
 
     async def start(self, jobs: list[Job]) -> list[Job]:
-        if not jobs:
-            return []
-        async with self.cmd.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                # a pipeline runs scripts too (EVALSHA); the stubs name only clients
-                await self._scripts["start"](keys=[job_key(job.model, job.id)],
-                                             client=cast(Any, pipe))
-            attempts = await pipe.execute()
+        by_model: dict[str, list[Job]] = {}
+        for job in jobs:
+            by_model.setdefault(job.model, []).append(job)
+        attempts: dict[str, int] = {}
+        for model, group in by_model.items():
+            got = await self._scripts["start"](
+                keys=[job_key(model, job.id) for job in group], client=self.cmd)
+            attempts.update((job.id, int(n)) for job, n in zip(group, got))
         runnable = []
-        for job, attempt in zip(jobs, attempts):
-            if int(attempt) < 0:
+        for job in jobs:
+            attempt = attempts[job.id]
+            if attempt < 0:
                 await self.finish(job, job.status)  # finished or cancelled meanwhile: ack
                 continue
-            job.attempts, job.status = int(attempt), "running"
+            job.attempts, job.status = attempt, "running"
             runnable.append(job)
         return runnable
 

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vega.jobs")
 
-STORE_ERRORS = (rexc.RedisError, OSError)
+# RedisClusterException: what the cluster client raises when no seed node answers.
+STORE_ERRORS = (rexc.RedisError, rexc.RedisClusterException, OSError)
 PAUSE_S = 0.5  # after a store error, before trying again
 
 
