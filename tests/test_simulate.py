@@ -35,14 +35,12 @@ def arrivals(seed: int = 1, **options: Any) -> traffic.Arrivals:
 
 
 def run_sim(plan: traffic.Arrivals, seed: int = 1, processes: int = 1,
-            overflow_after_ms: float | None = None, can_wait: float = 0.0,
-            jobs_max_depth: int = 10000, job_ttl_s: float = 600.0, **env: str
+            overflow_after_ms: float | None = None, can_wait: float = 0.0, **env: str
             ) -> dict[str, Any]:
     settings = load_settings(environ={"VEGA_WARMUP_BATCHES": "1", **env})
     options = simulate.SimOptions(settings, LatencyModel.from_profile(PROFILE),
                                   processes=processes, seed=seed,
-                                  overflow_after_ms=overflow_after_ms, can_wait=can_wait,
-                                  jobs_max_depth=jobs_max_depth, job_ttl_s=job_ttl_s)
+                                  overflow_after_ms=overflow_after_ms, can_wait=can_wait)
     result = simulate.simulate(options, plan.t_s.tolist(), plan.priority.tolist(),
                                plan.length.tolist())
     report = simulate.build(result, options)
@@ -193,12 +191,26 @@ def test_refusals_that_can_wait_become_jobs_and_all_finish() -> None:
     assert refused < refused_plain
 
 
+def test_jobs_run_in_the_gaps_of_light_inline_load() -> None:
+    """The runner feeds job items whenever no inline item is queued, so a backlog left by
+    a burst drains while light inline traffic goes on, and that traffic is served as before."""
+    plan = arrivals(profile="burst", rate=0.2 * CAPACITY, burst_factor=15.0, burst_at_s=0.5,
+                    burst_s=0.5, duration_s=4.0)
+    plain, lane = run_sim(plan), run_sim(plan, can_wait=0.3, VEGA_JOBS_MAX_DEPTH="1000")
+    jobs = lane["jobs"]
+    assert jobs["accepted"] > 500 and jobs["done"] == jobs["accepted"] and jobs["lost"] == 0
+    assert jobs["done_during_load"] == jobs["done"]  # all before the inline load ended
+    assert jobs["batches"] >= jobs["done"] / 32  # in the batcher's job batches, at most 32
+    ok, ok_plain = lane["summary"]["ok"], plain["summary"]["ok"]
+    assert abs(ok - ok_plain) <= 0.02 * ok_plain
+
+
 def test_the_job_lane_is_bounded_and_jobs_expire_unrun() -> None:
     plan = burst_over_capacity()
-    bounded = run_sim(plan, can_wait=0.3, jobs_max_depth=50)
+    bounded = run_sim(plan, can_wait=0.3, VEGA_JOBS_MAX_DEPTH="50")
     assert bounded["jobs"]["accepted"] < run_sim(plan, can_wait=0.3)["jobs"]["accepted"]
     assert bounded["jobs"]["lost"] == 0
-    brief = run_sim(plan, can_wait=0.3, job_ttl_s=1.0)["jobs"]  # drained from 2 s on
+    brief = run_sim(plan, can_wait=0.3, VEGA_JOBS_DEFAULT_TTL_S="1")["jobs"]  # drained from 2 s on
     assert brief["expired"] > 0 and brief["done"] > 0
     assert brief["done"] + brief["expired"] == brief["accepted"]
     assert brief["latency_ms"]["max"] <= 1000 * (1.0 + 0.05)  # none started past its ttl
@@ -243,9 +255,19 @@ def test_command_reports_jobs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     jobs = json.loads((tmp_path / "report.json").read_text())["jobs"]
     assert 0 < jobs["accepted"] <= jobs["done"] + 300 and jobs["lost"] == 0
     assert jobs["max_depth"] == 300 and jobs["can_wait"] == 0.2
+    assert jobs["ttl_s"] == load_settings(environ={}).jobs_default_ttl_s  # the setting's
     assert "jobs (20% could wait)" in capsys.readouterr().out
+    assert simulate.run(parser.parse_args(flags + ["--can-wait", "0.2", "--job-ttl-s", "0.5",
+                                                   "--set", "VEGA_JOBS_MAX_DEPTH=200"])) == 0
+    jobs = json.loads((tmp_path / "report.json").read_text())["jobs"]
+    assert (jobs["ttl_s"], jobs["max_depth"]) == (0.5, 200)
+    assert jobs["expired"] > 0 and jobs["lost"] == 0
+    capsys.readouterr()
     assert simulate.run(parser.parse_args(flags + ["--can-wait", "1.5"])) == simulate.EXIT_CONFIG
     assert "can_wait" in capsys.readouterr().err
+    assert simulate.run(parser.parse_args(flags + ["--jobs-max-depth", "0"])) == \
+        simulate.EXIT_CONFIG
+    assert "VEGA_JOBS_MAX_DEPTH" in capsys.readouterr().err
 
 
 def test_command_refuses_a_bad_setting(tmp_path: Path, capsys: pytest.CaptureFixture[str]

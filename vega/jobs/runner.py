@@ -36,8 +36,10 @@ PAUSE_S = 0.5  # after a store error, before trying again
 
 
 class JobRunner:
-    def __init__(self, lane: JobLane, adapter: ModelAdapter, batcher: Batcher) -> None:
+    def __init__(self, lane: JobLane, adapter: ModelAdapter, batcher: Batcher,
+                 clock: Callable[[], int] = wall_ms) -> None:
         self.lane = lane
+        self.clock = clock  # wall ms, as jobs' expiries are kept (the simulator's is virtual)
         self.model = adapter.name
         self.adapter = adapter
         self.batcher = batcher
@@ -91,7 +93,7 @@ class JobRunner:
 
     async def _start(self, jobs: list[Job]) -> None:
         store = self.lane.store
-        now_ms = wall_ms()
+        now_ms = self.clock()
         fresh = []
         for job in jobs:
             if job.status in FINAL:
@@ -120,7 +122,7 @@ class JobRunner:
             self._spawn(self._end(job, FAILED, error={"code": "invalid_input",
                                                       "message": message}))
             return
-        deadline = loop.time() + (job.expires_ms - wall_ms()) / 1000
+        deadline = loop.time() + (job.expires_ms - self.clock()) / 1000
         items = []
         for sample, length in decoded:
             bucket = self.batcher.bucket_of(length)

@@ -1,108 +1,161 @@
-"""The async lane in the simulator: work that can wait, run only on spare capacity.
+"""The async lane in the simulator: the real job lane, store and runner on each process.
 
 A request that can wait and that admission refuses with ``shed``, ``queue_full`` or
-``deadline_unmeetable`` becomes a job, as ``Prefer: respond-async`` turns it on a real
-server (answered 202), unless ``max_depth`` jobs already wait (then 429 ``queue_full``).
-The batcher has no job class yet, so the lane is modelled here, by the rule of the real
-one: a job batch (one length bucket, oldest jobs first, up to VEGA_MAX_BATCH_SIZE) goes
-to an executor thread only when that thread is free and the process's batcher has no
-inline item queued, never formed ahead, and a job whose ttl passed before it ran is
-expired, not run. The batcher does not see the threads job batches hold, so an inline
-batch it forms meanwhile waits out the rest of one job batch in the executor's queue,
-as it would behind a running batch. Jobs are one lane for every process when they
-overflow (with Redis any process runs any job), else each process keeps its own.
-Polling is not modelled: it takes no model time, and no job is lost in a simulation.
+``deadline_unmeetable`` becomes a job as ``JobsApi.turn`` makes one on a real server: a
+``Job`` that expires after VEGA_JOBS_DEFAULT_TTL_S, submitted to the process's real
+``JobLane``, whose in-memory store holds at most VEGA_JOBS_MAX_DEPTH jobs (queued or
+held by a runner); accepted, it is answered 202, else the request keeps its refusal.
+Each process runs the real ``JobRunner`` on its batcher: it claims jobs only while no
+inline item is queued and holds at most two full batches of job items, and the batcher
+runs those in its job class (batched only while no inline item waits, each batch only
+on a free thread, never formed ahead). The stand-ins: the runner reads the virtual clock
+as its wall clock, and a job's one instance is its length, which a stand-in adapter
+decodes. Processes that overflow share one store (with Redis any process runs any job);
+else each keeps its own. Polling takes no model time and is not modelled.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from vega.config import Settings
+from vega.errors import VegaError
+from vega.jobs.lane import JobLane
+from vega.jobs.routes import TURNED
+from vega.jobs.runner import JobRunner
+from vega.jobs.store import DONE, FAILED, FINAL, OUTCOMES, Job, MemoryStore
 from vega.lab.hdr import Histogram
+from vega.metrics import Metrics
+from vega.models.base import TensorSpec
 
 if TYPE_CHECKING:
     from vega.lab.simproc import Requests, SimProcess
 
-TURNED = frozenset({"shed", "queue_full", "deadline_unmeetable"})  # refusals a job takes over
+__all__ = ["TURNED", "SimJobs"]
 
 
-@dataclass(eq=False)
-class SimJob:
-    index: int  # the arrival it was
-    length: int
-    queued_at: float
-    expires_at: float
+class _Lengths:
+    """The model as the runner sees it: a job's one instance is its length."""
+
+    version = "sim"
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    deterministic = True
+
+    def __init__(self, name: str, max_length: int) -> None:
+        self.name = name
+        self.max_length = max_length
+
+    def load(self, device: str) -> None:
+        return None
+
+    def decode(self, instance: Any) -> tuple[Any, int]:
+        return None, int(instance)
+
+    def run(self, samples: list[Any], pad_to: int) -> list[Any]:
+        return [None] * len(samples)  # never called: the simulated executor runs batches
+
+    def example(self, length: int) -> Any:
+        return None
 
 
-class JobLane:
-    def __init__(self, procs: Sequence[SimProcess], requests: Requests, max_depth: int,
-                 ttl_s: float) -> None:
-        self.procs = list(procs)
+class _Store(MemoryStore):
+    """The embedded store, telling the simulation when each job ends."""
+
+    def __init__(self, jobs: SimJobs, settings: Settings) -> None:
+        super().__init__(settings.jobs_result_ttl_s, settings.jobs_max_depth)
+        self.jobs = jobs
+
+    async def finish(self, job: Job, status: str, outputs: bytes = b"",
+                     error: dict[str, str] | None = None, dead_letter: bool = False) -> None:
+        ends = job.status not in FINAL
+        await super().finish(job, status, outputs, error, dead_letter)
+        if ends:
+            self.jobs.ended(job, status)
+
+
+class SimJobs:
+    """The job lanes of one simulation: a lane and a runner per process, and the tally."""
+
+    def __init__(self, procs: Sequence[SimProcess], requests: Requests, settings: Settings,
+                 shared: bool) -> None:
         self.requests = requests
-        self.max_depth = max_depth
-        self.ttl_s = ttl_s
-        self.loop = asyncio.get_running_loop()
-        self.queues: dict[int, deque[SimJob]] = {}  # by length bucket
-        self.depth = 0
+        self.ttl_ms = int(1000 * settings.jobs_default_ttl_s)
+        self.max_depth = settings.jobs_max_depth
+        self.loop = loop = asyncio.get_running_loop()
         self.accepted = 0
-        self.done = 0
-        self.expired = 0
-        self.batches = 0
+        self.ends = dict.fromkeys(OUTCOMES, 0)
+        self.done_by: list[float] = []  # when each done job finished (virtual clock)
         self.last_finished_s: float | None = None
         self.latency = Histogram()  # done jobs, from arrival to finish
+        metrics = Metrics()
+        one = _Store(self, settings) if shared else None
+        self.lanes: list[JobLane] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        for proc in procs:
+            lane = JobLane(settings, f"sim-{proc.index}", metrics)
+            lane.store = one or _Store(self, settings)
+            model = proc.batcher.config.model
+            runner = JobRunner(lane, _Lengths(model, proc.latency.max_length), proc.batcher,
+                               clock=lambda: round(1000 * loop.time()))
+            lane.runners[model] = runner
+            lane.taking.set()
+            self._spawn(runner.run()).add_done_callback(self._runner_ended)
+            proc.jobs = self
+            self.lanes.append(lane)  # by process index
+        self.stores = 1 if shared else len(self.lanes)
 
-    def submit(self, index: int, length: int, bucket: int, now: float) -> bool:
-        """Queue the job the refused arrival ``index`` becomes; False when the lane is full."""
-        if self.depth >= self.max_depth:
-            return False
-        self.queues.setdefault(bucket, deque()).append(
-            SimJob(index, length, now, now + self.ttl_s))
-        self.depth += 1
-        self.accepted += 1
-        self.requests.opened(job=True)
-        self.feed()
-        return True
+    @property
+    def waiting(self) -> int:
+        """Jobs accepted and not ended: queued in a store or held by a runner."""
+        return self.accepted - sum(self.ends.values())
 
-    def feed(self) -> None:
-        """Give job batches to every free thread of a process with no inline item queued."""
-        if not self.depth:
-            return
-        now = self.loop.time()
-        for proc in self.procs:
-            while self.depth and proc.batcher.depth() == 0 and min(proc.free_at) <= now:
-                self._run(proc, now)
+    def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
 
-    def _run(self, proc: SimProcess, now: float) -> None:
-        bucket = min((b for b, q in self.queues.items() if q),
-                     key=lambda b: self.queues[b][0].queued_at)
-        queue = self.queues[bucket]
-        jobs: list[SimJob] = []
-        while queue and len(jobs) < proc.batcher.config.max_batch_size:
-            job = queue.popleft()
-            self.depth -= 1
-            if job.expires_at <= now:
-                self.expired += 1
-                self.requests.closed(job=True)
-            else:
-                jobs.append(job)
-        if not jobs:
-            return
-        pad_to = max(job.length for job in jobs)
-        finish = proc.book(now, proc.draw(pad_to, len(jobs)))
-        proc.ran_batch(len(jobs), 1.0 - sum(job.length for job in jobs) / (pad_to * len(jobs)))
-        self.batches += 1
-        self.loop.call_at(finish, self._finished, jobs)
+    def submit(self, process: int, index: int, priority: int, length: int, refusal: str,
+               now: float) -> None:
+        """Turn the refused arrival ``index`` into a job, as the server's route does."""
+        self.requests.opened(job=True)  # before the store answers, so the run cannot end first
+        self._spawn(self._submit(self.lanes[process], index, priority, length, refusal, now))
 
-    def _finished(self, jobs: list[SimJob]) -> None:
-        now = self.loop.time()
-        t_s = self.requests.t_s
-        for job in jobs:
-            self.latency.record(now - t_s[job.index])
-            self.done += 1
+    async def _submit(self, lane: JobLane, index: int, priority: int, length: int,
+                      refusal: str, now: float) -> None:
+        now_ms = round(1000 * now)
+        model = next(iter(lane.runners))
+        job = Job(id=str(index), model=model, instances=b"[%d]" % length, single=True,
+                  priority=priority, created_ms=now_ms, expires_ms=now_ms + self.ttl_ms)
+        try:
+            await lane.submit(job, None, "")
+        except VegaError:  # the lane is at its bound: the request keeps its refusal
+            self.requests.finish(index, refusal, now)
             self.requests.closed(job=True)
-        self.last_finished_s = now
-        self.feed()
+            return
+        self.accepted += 1
+        self.requests.finish(index, "accepted", now)
+
+    def ended(self, job: Job, status: str) -> None:
+        now = self.loop.time()
+        self.ends[status] += 1
+        if status == DONE:
+            self.latency.record(now - self.requests.t_s[int(job.id)])
+            self.done_by.append(now)
+        if status in (DONE, FAILED):
+            self.last_finished_s = now
+        self.requests.closed(job=True)
+
+    def _runner_ended(self, task: asyncio.Task[None]) -> None:
+        # A runner that died would leave its jobs unended and the run waiting forever.
+        quiet = self.requests.quiet
+        if not task.cancelled() and task.exception() is not None and quiet is not None \
+                and not quiet.done():
+            quiet.set_exception(RuntimeError(f"job runner died: {task.exception()!r}"))
+
+    def _spawn(self, work: Any) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task

@@ -27,8 +27,8 @@ from vega.batcher import Batcher, BatcherConfig
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.lab.profile import LatencyModel
-from vega.lab.simjobs import TURNED, JobLane
-from vega.records import Batch, Item
+from vega.lab.simjobs import TURNED, SimJobs
+from vega.records import JOB, Batch, Item
 from vega.warmup import planned, seed_batch_times
 
 # Outcome codes of simulated requests, stored as small ints per request.
@@ -141,8 +141,9 @@ class SimProcess:
         self.padding: list[float] = []
         self.overflow_out = 0
         self.overflow_in = 0
+        self.job_batches = 0
         self._handed: list[float] = []  # when each batch handed to a peer starts there
-        self.lane: JobLane | None = None  # where refused requests that can wait go
+        self.jobs: SimJobs | None = None  # where refused requests that can wait go
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -182,11 +183,10 @@ class SimProcess:
         try:
             costs = self.admission.admit(priority, (bucket,), deadline, now)
         except VegaError as error:
-            outcome = error.code
-            if can_wait and self.lane is not None and outcome in TURNED:
-                outcome = "accepted" if self.lane.submit(index, length, bucket, now) \
-                    else "queue_full"
-            self.requests.finish(index, outcome, now)
+            if can_wait and self.jobs is not None and error.code in TURNED:
+                self.jobs.submit(self.index, index, priority, length, error.code, now)
+            else:
+                self.requests.finish(index, error.code, now)
             return
         item = Item(model=batcher.config.model, sample=None, length=length, priority=priority,
                     deadline=deadline, future=loop.create_future(), bucket=bucket, cost=costs[0])
@@ -231,7 +231,9 @@ class SimProcess:
         loop = self.loop
         now = loop.time()
         runner, delay = self, 0.0
-        peer = self._thief(now)
+        job = batch.items[0].priority == JOB
+        self.job_batches += job
+        peer = None if job else self._thief(now)  # jobs move as jobs, not as batches
         if peer is not None:
             runner, delay = peer, self.overflow.transport_s if self.overflow else 0.0
             self.overflow_out += 1
@@ -244,11 +246,7 @@ class SimProcess:
         self.ran_batch(batch.size, batch.padding_ratio)
         done: asyncio.Future[None] = loop.create_future()
         loop.call_at(finish, _resolve, batch, done)
-        if self.lane is not None:
-            loop.call_soon(self.lane.feed)  # another thread may be free for jobs
         await done
-        if self.lane is not None:
-            self.lane.feed()
 
     def ran_batch(self, size: int, padding_ratio: float) -> None:
         self.batches += 1

@@ -28,10 +28,9 @@ import numpy as np
 from vega.config import ConfigError, Settings, load_settings
 from vega.errors import STATUS_BY_CODE
 from vega.lab import simclock
-from vega.lab.hdr import Histogram
 from vega.lab.profile import LatencyModel
 from vega.lab.report import jobs_section
-from vega.lab.simjobs import JobLane
+from vega.lab.simjobs import SimJobs
 from vega.lab.simproc import OUTCOMES, Overflow, Requests, SimProcess
 from vega.lab.traffic import can_wait
 from vega.records import PRIORITY_NAMES
@@ -54,10 +53,9 @@ class SimOptions:
     steal_rtt_ms: float = 2.0
     to_first: bool = False  # every arrival to the first process (skewed, no balancer)
     transport_ms: float = 2.0  # Redis's part of the round trip
-    can_wait: float = 0.0  # share of arrivals that may become jobs (drawn as vega bench does)
-    # The job lane's bound and a job's ttl: VEGA_JOBS_MAX_DEPTH and VEGA_JOBS_DEFAULT_TTL_S.
-    jobs_max_depth: int = 10000
-    job_ttl_s: float = 600.0
+    # Share of arrivals that may become jobs (drawn as vega bench does); the job lane's
+    # bound and a job's ttl are the settings' VEGA_JOBS_MAX_DEPTH and VEGA_JOBS_DEFAULT_TTL_S.
+    can_wait: float = 0.0
 
 
 @dataclass
@@ -71,7 +69,7 @@ class SimResult:
     virtual_s: float
     wall_s: float
     process_objects: list[SimProcess]
-    lanes: list[JobLane]
+    jobs: SimJobs | None  # the job lanes, with work that can wait
 
 
 def simulate(options: SimOptions, t_s: Sequence[float], priority: Sequence[int],
@@ -99,35 +97,25 @@ async def _main(options: SimOptions, t_s: Sequence[float], priority: Sequence[in
         overflow.peers.extend(procs)
     for proc in procs:
         proc.start()
-    lanes = _lanes(options, procs, requests)
+    # With overflow, one job store for all (through Redis, any process runs any job).
+    jobs = SimJobs(procs, requests, settings, shared=overflow is not None) \
+        if options.can_wait > 0 else None
     waits = can_wait(len(t_s), options.can_wait, options.seed).tolist()
     deadlines = deadlines_by_class(options)
     snapshots: list[dict[str, Any]] = []
-    sampler = _Sampler(loop, procs, snapshots, options.snapshot_s, lanes)
+    sampler = _Sampler(loop, procs, snapshots, options.snapshot_s, jobs)
     sampler.tick()
     try:
         await _drive(loop, procs[:1] if options.to_first else procs, requests, priority,
                      length, deadlines, waits)
     finally:
         sampler.stop()
+        if jobs is not None:
+            jobs.stop()
         for proc in procs:
             await proc.stop()
     return SimResult(t_s, priority, length, requests, snapshots,
-                     [_process_summary(p) for p in procs], loop.time(), 0.0, procs, lanes)
-
-
-def _lanes(options: SimOptions, procs: list[SimProcess], requests: Requests) -> list[JobLane]:
-    """The job lanes: none without work that can wait; one for all processes when they
-    overflow (through Redis, any process runs any job); else one per process."""
-    if options.can_wait <= 0:
-        return []
-    groups = [procs] if procs[0].overflow is not None else [[p] for p in procs]
-    lanes = [JobLane(group, requests, options.jobs_max_depth, options.job_ttl_s)
-             for group in groups]
-    for lane in lanes:
-        for proc in lane.procs:
-            proc.lane = lane
-    return lanes
+                     [_process_summary(p) for p in procs], loop.time(), 0.0, procs, jobs)
 
 
 async def _drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], requests: Requests,
@@ -172,13 +160,13 @@ async def _drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], reque
 
 
 class _Sampler:
-    """Queue depth per class, in-flight batches and service rate (and jobs queued, with
-    a job lane), every ``every_s``."""
+    """Queue depth per class, in-flight batches and service rate (and jobs waiting and
+    done, with work that can wait), every ``every_s``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, procs: list[SimProcess],
-                 out: list[dict[str, Any]], every_s: float, lanes: list[JobLane]) -> None:
+                 out: list[dict[str, Any]], every_s: float, jobs: SimJobs | None) -> None:
         self.loop, self.procs, self.out, self.every_s = loop, procs, out, every_s
-        self.lanes = lanes
+        self.jobs = jobs
         self._timer: asyncio.TimerHandle | None = None
 
     def tick(self) -> None:
@@ -189,10 +177,9 @@ class _Sampler:
                          "inflight_batches": sum(p.batcher.inflight for p in self.procs),
                          "service_rate": sum(p.batcher.rate.items_per_s for p in self.procs),
                          "backlog_ms": max(1000 * p.batcher.backlog_s() for p in self.procs)})
-        if self.lanes:
-            self.out[-1]["jobs_queued"] = sum(lane.depth for lane in self.lanes)
-            for lane in self.lanes:
-                lane.feed()  # a queue emptied by deadlines frees its threads for jobs too
+        if self.jobs is not None:
+            self.out[-1]["jobs_queued"] = self.jobs.waiting
+            self.out[-1]["jobs_done"] = self.jobs.ends["done"]
         self._timer = self.loop.call_later(self.every_s, self.tick)
 
     def stop(self) -> None:
@@ -216,7 +203,7 @@ def build(result: SimResult, options: SimOptions,
 
     requests = result.requests
     # The inline requests' span: a job lane draining after the load is reported apart.
-    inline_s = requests.inline_done_s if result.lanes else None
+    inline_s = requests.inline_done_s if result.jobs is not None else None
     duration_s = max(result.virtual_s if inline_s is None else inline_s, 1e-9)
     tally = Tally(auto_bin_s(duration_s))
     deadlines = deadlines_by_class(options)
@@ -244,24 +231,20 @@ def build(result: SimResult, options: SimOptions,
                               "wall_s": round(result.wall_s, 3),
                               "virtual_s": round(result.virtual_s, 3),
                               "per_process": result.processes, **(meta or {})})
-    if result.lanes:
-        report["jobs"] = _jobs(result, options)
+    if result.jobs is not None:
+        report["jobs"] = _jobs(result.jobs, result, options)
     return report
 
 
-def _jobs(result: SimResult, options: SimOptions) -> dict[str, Any]:
-    lanes = result.lanes
-    latency = Histogram()
-    for lane in lanes:
-        latency.merge(lane.latency)
-    finished = [lane.last_finished_s for lane in lanes if lane.last_finished_s is not None]
+def _jobs(jobs: SimJobs, result: SimResult, options: SimOptions) -> dict[str, Any]:
     t_s = result.requests.t_s
-    return jobs_section(options.can_wait, sum(lane.accepted for lane in lanes),
-                        {"done": sum(lane.done for lane in lanes),
-                         "expired": sum(lane.expired for lane in lanes)},
-                        max(finished, default=None), t_s[-1] if len(t_s) else 0.0, latency,
-                        batches=sum(lane.batches for lane in lanes), lanes=len(lanes),
-                        max_depth=options.jobs_max_depth, ttl_s=options.job_ttl_s)
+    load_s = t_s[-1] if len(t_s) else 0.0
+    return jobs_section(options.can_wait, jobs.accepted, jobs.ends, jobs.last_finished_s,
+                        load_s, jobs.latency,
+                        done_during_load=sum(1 for t in jobs.done_by if t <= load_s),
+                        batches=sum(p.job_batches for p in result.process_objects),
+                        lanes=jobs.stores, max_depth=options.settings.jobs_max_depth,
+                        ttl_s=options.settings.jobs_default_ttl_s)
 
 
 # Settings that change what the simulator does; copied into the report's meta.
@@ -277,8 +260,7 @@ TUNED = ("max_batch_size", "max_wait_ms", "length_buckets", "max_inflight_batche
 # give the same arrivals (same seed) to ``vega bench`` and ``vega simulate``.
 TRAFFIC_OPTIONS = ("spec", "profile", "process", "rate", "duration_s", "requests", "ramp_to",
                    "steps", "burst_factor", "burst_at_s", "burst_s", "trace", "trace_speed",
-                   "mix", "lengths", "deadline_ms", "can_wait", "job_ttl_s", "seed", "out",
-                   "plots")
+                   "mix", "lengths", "deadline_ms", "can_wait", "seed", "out", "plots")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -316,9 +298,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="send every request to the first process (the others only steal)")
     sim.add_argument("--no-noise", action="store_true",
                      help="every batch takes its profiled p50 (default: log-normal p50/p90)")
-    sim.add_argument("--jobs-max-depth", type=int, default=10000,
-                     help="most jobs waiting (VEGA_JOBS_MAX_DEPTH); past it a request that "
-                          "can wait is refused queue_full (default 10000)")
+    sim.add_argument("--jobs-max-depth", type=int,
+                     help="most jobs waiting, VEGA_JOBS_MAX_DEPTH for this run; past it a "
+                          "request that can wait keeps its refusal (default: the setting)")
+    sim.add_argument("--job-ttl-s", type=float,
+                     help="how long a job waits to run before it expires, "
+                          "VEGA_JOBS_DEFAULT_TTL_S for this run (default: the setting)")
     sim.add_argument("--snapshot-ms", type=float, default=100.0,
                      help="queue depth sampled this often, in virtual time (default 100)")
 
@@ -332,12 +317,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         traffic_options = resolve(vars(args))
         overrides = dict(_pair(raw) for raw in args.set)
+        for flag, name in (("jobs_max_depth", "VEGA_JOBS_MAX_DEPTH"),
+                           ("job_ttl_s", "VEGA_JOBS_DEFAULT_TTL_S")):
+            if getattr(args, flag) is not None:
+                overrides[name] = str(getattr(args, flag))
         settings = load_settings(env_file=args.env_file, overrides=overrides)
         latency = LatencyModel.from_file(args.latency)
         if args.processes < 1:
             raise ValueError(f"--processes={args.processes}: expected >= 1")
-        if args.jobs_max_depth < 1:
-            raise ValueError(f"--jobs-max-depth={args.jobs_max_depth}: expected >= 1")
         seed = traffic_options["seed"] if traffic_options["seed"] is not None else 0
         options = SimOptions(settings, latency, processes=args.processes,
                              deadlines_s=parse_deadlines(str(traffic_options["deadline_ms"])),
@@ -345,9 +332,7 @@ def run(args: argparse.Namespace) -> int:
                              snapshot_s=args.snapshot_ms / 1000,
                              overflow_after_ms=args.overflow_ms, steal_rtt_ms=args.steal_rtt_ms,
                              to_first=args.to_first, transport_ms=args.steal_transport_ms,
-                             can_wait=traffic_options["can_wait"],
-                             jobs_max_depth=args.jobs_max_depth,
-                             job_ttl_s=traffic_options["job_ttl_s"])
+                             can_wait=traffic_options["can_wait"])
         arrivals = traffic.plan(traffic_options, np.random.default_rng(seed))
     except (ConfigError, ValueError, OSError, KeyError) as error:
         print(f"vega simulate: {error}", file=sys.stderr)
