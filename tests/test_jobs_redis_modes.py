@@ -102,7 +102,9 @@ async def test_an_idempotency_key_makes_one_job_on_the_cluster(redis_cluster: Cl
                                          for _ in range(6)))
         assert {a.status_code for a in answers} == {202}
         assert len({a.json()["id"] for a in answers}) == 1
-        assert sum(a.headers.get("idempotent-replayed") == "true" for a in answers) == 5
+        # At least five replays: the cluster client may resend a submit whose answer it
+        # timed out on, and the script, finding its own job, answers that as a replay too.
+        assert sum(a.headers.get("idempotent-replayed") == "true" for a in answers) >= 5
         other = await submit(client, {"inputs": window(6), "ttl_s": 30},
                              **{"Idempotency-Key": "k-c1"})
         assert other.status_code == 422

@@ -32,9 +32,10 @@ Client: TypeAlias = "Redis | RedisCluster"
 
 DOWN_FOR_S = 1.0  # after a failure, skip Redis this long before trying again
 # What means "Redis is away" (serve locally, reconnect) rather than "Redis refused this":
-# a cluster with a slot's primary gone, or a Sentinel that names no primary, included.
+# a cluster with a slot's primary gone, no seed node answering (RedisClusterException),
+# or a Sentinel that names no primary, included.
 CONNECTION_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
-                     rexc.SlotNotCoveredError, rexc.TryAgainError)
+                     rexc.SlotNotCoveredError, rexc.TryAgainError, rexc.RedisClusterException)
 
 
 class Unavailable(Exception):
