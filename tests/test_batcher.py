@@ -12,7 +12,7 @@ from tests.models import echo, window
 from vega.batcher import FORM_AHEAD, Batcher, BatcherConfig
 from vega.errors import VegaError
 from vega.executor import Executor
-from vega.records import CRITICAL, NORMAL, SHEDDABLE, Batch, Item
+from vega.records import CRITICAL, JOB, NORMAL, SHEDDABLE, Batch, Item
 
 
 class RecordingSink:
@@ -451,3 +451,28 @@ async def test_buckets_stay_apart_when_padding_costs_more_than_a_pass() -> None:
     assert sorted(i.length for i in batch.items) == [10, 12]
     assert batch.bucket == 0 and batch.pad_to == 12
     assert batcher.bucket_depth(2) == 1  # the long one waits for a batch of its own
+
+
+async def test_job_items_wait_for_inline_ones_and_never_share_their_batch() -> None:
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher = Batcher(config(max_batch_size=4, dispatch_when_idle=True), sink)
+    jobs = [item(batcher, priority=JOB) for _ in range(2)]
+    inline = [item(batcher) for _ in range(2)]
+    first = await formed_once(batcher, sink)
+    assert [i.id for i in first.items] == [i.id for i in inline]
+    assert batcher.depth() == 0 and all(not j.future.done() for j in jobs)
+
+
+async def test_a_job_batch_is_cut_to_the_job_batch_time() -> None:
+    # Items cost 10 ms each: within 25 ms, two of them (1 + 2 x 10 ms), not the four
+    # an inline batch may take, so an inline request arriving meanwhile waits less.
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher = Batcher(config(max_batch_size=4, dispatch_when_idle=True, job_batch_s=0.025),
+                      sink)
+    costed(batcher, {0: (0.001, 0.01), 1: (0.001, 0.01), 2: (0.001, 0.01)})
+    for _ in range(4):
+        item(batcher, priority=JOB)
+    batch = await formed_once(batcher, sink)
+    assert batch.size == 2

@@ -65,6 +65,9 @@ class BatcherConfig:
     hands_off: bool = False
     parallelism: int = 1  # executor threads running batches at once
     standing_after_s: float = 0.1  # CoDel interval (DESIGN.md rule 5)
+    # A job batch is cut to what is predicted to run in this long: an inline request
+    # that arrives while it runs waits at most that.
+    job_batch_s: float = 0.02
 
     @classmethod
     def from_settings(cls, s: Settings, model: str, max_length: int,
@@ -74,7 +77,8 @@ class BatcherConfig:
                    max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
                    dispatch_when_idle=s.dispatch_when_idle, hands_off=hands_off,
                    max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
-                   standing_after_s=s.codel_interval_ms / 1000)
+                   standing_after_s=s.codel_interval_ms / 1000,
+                   job_batch_s=s.jobs_batch_ms / 1000)
 
 
 class Batcher(Queues):
@@ -318,8 +322,8 @@ class Batcher(Queues):
         apart: the profiled costs, not the bucket bounds, say when padding is cheaper
         than another forward pass.
         """
-        cap = self.config.max_batch_size
-        _, depth = self._lane()
+        lane, depth = self._lane()
+        cap = self._job_cap(bucket) if lane is JOBS else self.config.max_batch_size
         size = min(cap, depth[bucket])
         shares = {bucket: size}
         low = high = bucket
@@ -343,6 +347,13 @@ class Batcher(Queues):
             size += count
             low, high = min(low, other), max(high, other)
         return shares
+
+    def _job_cap(self, bucket: int) -> int:
+        """The largest job batch of ``bucket`` predicted to run within ``job_batch_s``."""
+        size = self.config.max_batch_size
+        while size > 1 and self.times.predict(bucket, size) > self.config.job_batch_s:
+            size -= 1
+        return size
 
     def _take(self, bucket: int, count: int, items: list[Item], finish: float, now: float,
               lifo: bool) -> None:

@@ -285,6 +285,9 @@ class Settings:
         "Longest ttl_s a job may ask for; longer ones are capped.")
     jobs_result_ttl_s: float = setting("3600", _float(1), "a number >= 1",
         "How long a finished job's result (or its failure) is kept for GET /v1/jobs/{id}.")
+    jobs_batch_ms: float = setting("20", _float(0), "a number >= 0",
+        "A batch of job items is cut to what is predicted to run in this long, so an "
+        "inline request arriving meanwhile waits at most that (0 = one job item a batch).")
     jobs_drain_target_s: float = setting("300", _float(1), "a number >= 1",
         "The capacity signal suggests enough processes to drain the job backlog in this long.")
     capacity_sample_s: float = setting("1", _float(0.05, 60), "a number 0.05-60",
