@@ -96,7 +96,7 @@ class Watch:
                     jobs = model["jobs"]
                     self.samples.append({
                         "t": time.perf_counter(), "url": url, "depth": jobs["depth"],
-                        "held": jobs["held_here"], "rate": model["service_rate_items_per_s"],
+                        "held": jobs["held_here"], "rate": jobs["drain_rate_items_per_s"],
                         "backlog_ms": model["backlog_ms"],
                         "server_predicted_s": jobs["predicted_drain_s"]})
             await asyncio.sleep(SAMPLE_S)
@@ -113,8 +113,8 @@ class Watch:
     async def predict(self, since: float, within_s: float, spare_s: float
                       ) -> dict[str, Any]:
         """Drain predicted from the samples in [since, since+within_s]: inline backlog plus
-        the largest job backlog, over the processes' summed service rate less ``spare_s``
-        (items/s taken by other load)."""
+        the largest job backlog, over the processes' summed job drain rate (the service
+        rate at job batches' size) less ``spare_s`` (items/s taken by other load)."""
         await until(since + within_s)
         for _ in range(100):  # a server too busy to answer in that second: its next sample
             if any(s["t"] >= since for s in self.samples):

@@ -348,6 +348,17 @@ class Batcher(Queues):
             low, high = min(low, other), max(high, other)
         return shares
 
+    def job_items_per_s(self) -> float:
+        """Job items run per second of a free thread's time: the measured service rate,
+        less what cutting job batches to ``job_batch_s`` costs (rule 2's lines)."""
+        depth = self._job_bucket_depth
+        bucket = max(range(len(depth)), key=depth.__getitem__) if any(depth) else 0
+        full, cut = self.config.max_batch_size, self._job_cap(bucket)
+        full_s, cut_s = self.times.predict(bucket, full), self.times.predict(bucket, cut)
+        if full_s <= 0 or cut_s <= 0:
+            return self.rate.items_per_s
+        return self.rate.items_per_s * min(1.0, (cut / cut_s) / (full / full_s))
+
     def _job_cap(self, bucket: int) -> int:
         """The largest job batch of ``bucket`` predicted to run within ``job_batch_s``."""
         size = self.config.max_batch_size

@@ -115,7 +115,7 @@ class JobLane:
         stats = self.stats.get(model, Stats())
         if runner is None:
             return 1.0
-        rate = runner.batcher.rate.items_per_s
+        rate = runner.batcher.job_items_per_s()
         backlog = (stats.queued + stats.pending + 1) * runner.items_per_job
         return backlog / rate if rate > 0 else 1.0
 
@@ -151,6 +151,8 @@ class JobLane:
             "counts": dict(self.counts.get(model, {})),
             "oldest_age_s": round(stats.oldest_age_s, 3),
             "dead_letters": stats.dead_letters, "max_depth": self.settings.jobs_max_depth,
+            "drain_rate_items_per_s": round(runner.batcher.job_items_per_s(), 1)
+            if runner is not None else 0.0,
             "predicted_drain_s": round(self.wait_s(model), 3)}
         if not self.durable:
             doc["note"] = NOT_DURABLE
