@@ -75,32 +75,37 @@ async def test_concurrent_submits_of_one_key_to_both_processes_make_one_job(
     assert Counter(ledger(pair.ledger))[2001] == 1  # one job, run once
 
 
-def test_jobs_held_by_a_killed_process_are_finished_by_the_other_none_twice(pair: Pair) -> None:
-    # Both processes read the stream; A is killed once it holds claimed jobs.
+def kill_a_holder_and_finish_through_b(a: VegaProcess, b: VegaProcess, book: str) -> None:
+    """40 jobs to A; A SIGKILLed while it holds claimed jobs: every job ends done through
+    B, none lost, none whose result was stored run again, and B reclaimed A's."""
     ids = {}
     for tag in range(3000, 3040):
-        response = submit(pair.a, {"inputs": tagged(tag), "ttl_s": 120})
+        response = submit(a, {"inputs": tagged(tag), "ttl_s": 120})
         assert response.status_code == 202
         ids[tag] = response.json()["id"]
 
     def a_holds_and_has_finished_some() -> bool:
-        jobs = httpx.get(pair.a.url + "/v1/status", timeout=5).json()["models"]["echo"]["jobs"]
+        jobs = httpx.get(a.url + "/v1/status", timeout=5).json()["models"]["echo"]["jobs"]
         return bool(jobs["held_here"] and jobs["counts"]["done"] >= 2)
 
     wait_until(a_holds_and_has_finished_some, 30, "A holding jobs, some finished")
-    pair.a.kill()  # SIGKILL: no drain, its claims stay pending in Redis
+    a.kill()  # SIGKILL: no drain, its claims stay pending in Redis
     done_before = {tag for tag, job_id in ids.items()
-                   if job(pair.b, job_id)["status"] == "done"}
-    finals = wait_until(lambda: (docs := {t: job(pair.b, i) for t, i in ids.items()}) and all(
+                   if job(b, job_id)["status"] == "done"}
+    finals = wait_until(lambda: (docs := {t: job(b, i) for t, i in ids.items()}) and all(
         d["status"] not in ("queued", "running") for d in docs.values()) and docs, 60,
         "every job final through B")
     assert {d["status"] for d in finals.values()} == {"done"}  # none lost, none failed
-    runs = Counter(ledger(pair.ledger))
+    runs = Counter(ledger(book))
     assert all(runs[tag] >= 1 for tag in ids)
     assert [tag for tag in done_before if runs[tag] != 1] == []  # a stored result: never rerun
+    assert metric(b, "vega_jobs_reclaimed_total", model="echo") >= 1  # A's, taken over
+
+
+def test_jobs_held_by_a_killed_process_are_finished_by_the_other_none_twice(pair: Pair) -> None:
+    kill_a_holder_and_finish_through_b(pair.a, pair.b, pair.ledger)
     status = httpx.get(pair.b.url + "/v1/status", timeout=5).json()["models"]["echo"]["jobs"]
     assert status["durable"] is True and "note" not in status
-    assert metric(pair.b, "vega_jobs_reclaimed_total", model="echo") >= 1  # A's, taken over
 
 
 @pytest.mark.parametrize("model", ["sensor", "python:tests.models:encoder"])

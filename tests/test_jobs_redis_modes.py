@@ -26,9 +26,9 @@ import pytest
 
 from tests.models import FAIL_MARK, echo, ledger, tagged, window
 from tests.redis_topologies import Cluster, SentinelSet, spread
-from tests.servers import VegaProcess, metric, wait_until
+from tests.servers import VegaProcess, wait_until
 from tests.test_jobs import BASE, submit, until_final
-from tests.test_jobs_cluster import job
+from tests.test_jobs_cluster import job, kill_a_holder_and_finish_through_b
 from tests.test_jobs_cluster import submit as submit_to
 from vega.channel.client import connect
 from vega.channel.keys import dlq_key, job_dead_key, job_key, jobs_key
@@ -179,28 +179,7 @@ def test_a_job_submitted_to_one_process_is_answered_by_the_other_on_the_cluster(
 
 def test_jobs_held_by_a_killed_process_are_finished_by_the_other_on_the_cluster(
         pair: Pair) -> None:
-    ids = {}
-    for tag in range(3000, 3040):
-        response = submit_to(pair.a, {"inputs": tagged(tag), "ttl_s": 120})
-        assert response.status_code == 202
-        ids[tag] = response.json()["id"]
-
-    def a_holds_and_has_finished_some() -> bool:
-        jobs = httpx.get(pair.a.url + "/v1/status", timeout=5).json()["models"]["echo"]["jobs"]
-        return bool(jobs["held_here"] and jobs["counts"]["done"] >= 2)
-
-    wait_until(a_holds_and_has_finished_some, 30, "A holding jobs, some finished")
-    pair.a.kill()  # SIGKILL: no drain, its claims stay pending in the cluster
-    done_before = {tag for tag, job_id in ids.items()
-                   if job(pair.b, job_id)["status"] == "done"}
-    finals = wait_until(lambda: (docs := {t: job(pair.b, i) for t, i in ids.items()}) and all(
-        d["status"] not in ("queued", "running") for d in docs.values()) and docs, 60,
-        "every job final through B")
-    assert {d["status"] for d in finals.values()} == {"done"}  # none lost, none failed
-    runs = Counter(ledger(pair.ledger))
-    assert all(runs[tag] >= 1 for tag in ids)
-    assert [tag for tag in done_before if runs[tag] != 1] == []  # a stored result: never rerun
-    assert metric(pair.b, "vega_jobs_reclaimed_total", model="echo") >= 1  # A's, taken over
+    kill_a_holder_and_finish_through_b(pair.a, pair.b, pair.ledger)
 
 
 # -- Sentinel: the primary killed with jobs queued and held --------------------------

@@ -22,7 +22,6 @@ import datetime
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ import numpy as np
 
 from vega.lab import report as rep
 from vega.lab import traffic
+from vega.lab.engine import run_loop
 from vega.lab.traffic import PRIORITIES, TrafficError, parse_deadlines
 
 if TYPE_CHECKING:
@@ -169,21 +169,10 @@ def run(args: argparse.Namespace) -> int:
     except (TrafficError, ValueError) as exc:
         print(f"vega bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    report = _run(drive(options, args.callers, args.client == "polite"))
+    report = run_loop(drive(options, args.callers, args.client == "polite"))
     out = Path(options["out"] or "out/callers-" + datetime.datetime.now().strftime(
         "%Y%m%d-%H%M%S"))
     path = rep.write_json(report, out / "report.json")
     print(format_summary(report))
     print(f"wrote {path}")
     return 0 if report["summary"]["calls"].get("ok") else 1
-
-
-def _run(coro: Any) -> dict[str, Any]:
-    try:
-        import uvloop
-        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        result: dict[str, Any] = runner.run(coro)
-    return result

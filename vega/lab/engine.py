@@ -17,7 +17,7 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from vega.lab import report as rep
 from vega.lab.client import Kind, Target, error_code, header_seconds, header_value
@@ -270,3 +270,14 @@ async def settle(engine: Engine, drain_s: float) -> None:
             pass
     engine.close()
 
+
+def run_loop(coro: Any) -> dict[str, Any]:
+    """Run ``coro`` to its report on a fresh uvloop loop (asyncio's where uvloop is absent)."""
+    try:
+        import uvloop
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        result: dict[str, Any] = runner.run(coro)
+    return result

@@ -21,7 +21,7 @@ import itertools
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import orjson
 from vega.lab import report as rep
 from vega.lab import traffic
 from vega.lab.client import Target, encode_kinds, http_get
-from vega.lab.engine import Engine, offer, settle
+from vega.lab.engine import Engine, offer, run_loop, settle
 from vega.lab.jobs import JobPoller
 from vega.lab.plots import write_plots
 from vega.lab.traffic import (
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(options["out"] or "out/bench-" + datetime.datetime.now().strftime(
         "%Y%m%d-%H%M%S"))
     try:
-        report = _run_loop(bench(options))
+        report = run_loop(bench(options))
     except (TrafficError, OSError) as exc:
         print(f"vega bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -257,17 +257,6 @@ def run(args: argparse.Namespace) -> int:
     print("wrote " + ", ".join(str(f) for f in files))
     summary = report["summary"]
     return EXIT_NO_ANSWER if summary["sent"] and not summary["answered"] else 0
-
-
-def _run_loop(coro: Any) -> dict[str, Any]:
-    try:
-        import uvloop
-        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        result: dict[str, Any] = runner.run(coro)
-    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
