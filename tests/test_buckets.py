@@ -8,6 +8,7 @@ from tests.test_batcher import RecordingSink, config, costed, formed_once, held,
 from vega.batcher import Batcher
 from vega.buckets import line_at, per_item_s, plan_bounds
 from vega.timing import BatchTimes
+from vega.warmup import rebucketed
 
 BOUNDS = (16, 32, 64, 128, 256, 512)
 
@@ -70,7 +71,7 @@ def test_lines_between_measured_bounds_are_interpolated_by_length() -> None:
 async def test_a_rebucketed_batcher_predicts_from_the_measured_lines() -> None:
     batcher = Batcher(config(buckets=(64, 512), max_batch_size=4), RecordingSink())
     costed(batcher, {0: (0.001, 0.001), 1: (0.001, 0.009)})
-    other = batcher.rebucketed((64, 288, 512))
+    other = rebucketed(batcher, (64, 288, 512))
     assert other.config.buckets == (64, 288, 512)
     assert other.times.predict(1, 4) == pytest.approx(0.001 + 4 * 0.005)
     assert other.times.predict(2, 4) == pytest.approx(batcher.times.predict(1, 4))

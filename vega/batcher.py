@@ -18,14 +18,12 @@ batch time) the batcher exposes as values.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vega.buckets import line_at
 from vega.config import Settings, length_bounds
 from vega.errors import VegaError
 from vega.queues import Queues, first_live
@@ -35,12 +33,10 @@ from vega.timing import BatchTimes, ServiceRate
 log = logging.getLogger("vega.batcher")
 
 # While every thread is busy, the next full batch is formed shortly before a thread is
-# predicted to free: FORM_AHEAD of the freeing batch's predicted time ahead, and at
-# least FORM_AHEAD_MIN_S (the loop's clock ticks in ms, and it must get round to it).
-# Formed as soon as it was full, it waited out the running batch in the executor's queue
-# while fresher items queued behind it; formed only once the thread was free, the thread
-# sat idle while the loop formed it. The lead is the freeing batch's, not the candidate's:
-# with each bucket's own lead, long buckets always fell due first (docs/tuning.md).
+# predicted to free: FORM_AHEAD of the freeing batch's predicted time ahead, at least
+# FORM_AHEAD_MIN_S (the loop's clock ticks in ms). Formed earlier it waits out the running
+# batch while fresher items queue behind it; formed later the thread sits idle. The lead
+# is the freeing batch's, not the candidate's, or long buckets always fall due first.
 FORM_AHEAD = 0.3
 FORM_AHEAD_MIN_S = 0.002
 
@@ -97,22 +93,9 @@ class Batcher(Queues):
         self.padded_steps = 0  # padding run through the model so far, in timesteps
         self.batch_steps = 0  # every timestep run, padding included
 
-    def rebucketed(self, bounds: tuple[int, ...]) -> Batcher:
-        """This batcher with other length bounds, before it runs; the new buckets'
-        predictor and service rate are seeded from this one's lines, by length."""
-        assert not self._running and not any(self._depth), "rebucket before serving"
-        other = Batcher(dataclasses.replace(self.config, buckets=bounds), self._sink,
-                        self._on_batch_done)
-        top = self.config.max_batch_size
-        lines = [line_at(self.config.buckets, self.times, bound) for bound in bounds]
-        sizes = sorted({1, max(1, top // 2), top})
-        for bucket, line in enumerate(lines):
-            for size in sizes:
-                other.times.observe(bucket, size, line.at(size))
-        for bucket, line in enumerate(lines):
-            for size in sizes:
-                other.rate.observe(size, size * other.item_cost(bucket), line.at(size))
-        return other
+
+    def with_config(self, config: BatcherConfig) -> Batcher:
+        return Batcher(config, self._sink, self._on_batch_done)
 
     # -- values read by admission, metrics and status ------------------------------
 

@@ -3,11 +3,12 @@ from what was measured. The runtime and the simulator both start a model this wa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
 from vega.batcher import Batcher
-from vega.buckets import plan_bounds
+from vega.buckets import line_at, plan_bounds
 from vega.config import Settings
 
 log = logging.getLogger("vega.warmup")
@@ -21,7 +22,7 @@ def planned(batcher: Batcher, s: Settings) -> Batcher:
         return batcher
     log.info("model %s: length buckets %s from the measured costs",
              batcher.config.model, ",".join(map(str, bounds)))
-    return batcher.rebucketed(bounds)
+    return rebucketed(batcher, bounds)
 
 
 def seed_batch_times(batcher: Batcher, passes: int,
@@ -41,3 +42,20 @@ def seed_batch_times(batcher: Batcher, passes: int,
                 seconds = measure(bound, size)
                 batcher.times.observe(bucket, size, seconds)
                 batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
+
+
+def rebucketed(batcher: Batcher, bounds: tuple[int, ...]) -> Batcher:
+    """``batcher`` with other length bounds, before it runs; the new buckets'
+    predictor and service rate are seeded from this one's lines, by length."""
+    assert not batcher.inflight and not batcher.depth(), "rebucket before serving"
+    other = batcher.with_config(dataclasses.replace(batcher.config, buckets=bounds))
+    top = batcher.config.max_batch_size
+    lines = [line_at(batcher.config.buckets, batcher.times, bound) for bound in bounds]
+    sizes = sorted({1, max(1, top // 2), top})
+    for bucket, line in enumerate(lines):
+        for size in sizes:
+            other.times.observe(bucket, size, line.at(size))
+    for bucket, line in enumerate(lines):
+        for size in sizes:
+            other.rate.observe(size, size * other.item_cost(bucket), line.at(size))
+    return other
