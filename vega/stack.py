@@ -159,7 +159,11 @@ class Guard:
             internal = VegaError("internal_error", "internal error; the server's log has the details")
             return self.dialect.refusal(internal), model, priority
         if later is not None and reply.outcome in LOAD_REFUSALS:
-            reply = await later.turn(request, model, kept, reply)
+            try:
+                reply = await later.turn(request, model, kept, reply)
+            except Exception:  # the refusal stands; the bug is logged
+                log.exception("request %s: turning a refusal into a job failed",
+                              request.scope.get("vega.request_id"))
         return reply, model, priority
 
     def refusal(self, request: Request, error: VegaError) -> Reply:
