@@ -1,15 +1,12 @@
 """The batcher: length buckets, priorities, deadlines, and the size/wait triggers.
 
-Items wait in one deque per (length bucket, priority). The loop wakes on events
-only: an enqueue, a timer set for the moment the oldest item's wait runs out (or a
-held full batch falls due), or a finished batch freeing a pipeline slot. A batch is
-due when it is full, when its oldest item has waited ``max_wait_s``; or, work-conserving
-(``dispatch_when_idle``), at once while an executor thread has nothing to run and
-otherwise only when full and a thread is about to free (the wait then has no part,
-unless the sink may hand batches to peers). A batch takes items
-from one bucket, critical first, so it pads only to its own longest item. Formed
-batches go to an injected ``sink`` (the executor, or the overflow channel); the
-batcher knows neither HTTP nor torch nor Redis.
+Items wait in one deque per (length bucket, class) (vega.queues). The loop wakes on
+events only: an enqueue, a timer for when the oldest item's wait runs out (or a held full
+batch falls due), or a finished batch freeing a thread. Work-conserving
+(``dispatch_when_idle``), a free thread takes what is queued at once, a busy one lets
+batches grow until full and a thread is about to free; otherwise a batch is due when
+full or when its oldest item has waited ``max_wait_s``. Formed batches go to an injected
+``sink`` (the executor, or the overflow channel): no HTTP, torch or Redis here.
 
 What admission needs to decide (depth per class, backlog, service rate, predicted
 batch time) the batcher exposes as values.
@@ -113,11 +110,8 @@ class Batcher(Queues):
         return len(self._inflight)
 
     def backlog_s(self, priority: int = len(PRIORITY_NAMES) - 1) -> float:
-        """Predicted seconds to work through what is queued ahead of ``priority``.
-
-        The queued items as the batches they will run in (rule 2): a partial batch
-        costs what it will cost with the items that join it, not a full batch each.
-        """
+        """Predicted seconds to work through what is queued ahead of ``priority``, as the
+        batches it will run in (rule 2): partial batches share one, not a full one each."""
         if not any(self._depth[: priority + 1]):
             return 0.0
         counts = [sum(c[: priority + 1]) if self._bucket_depth[b] else 0
@@ -260,11 +254,9 @@ class Batcher(Queues):
     def _urgency(self, bucket: int, oldest: float, now: float) -> tuple[int, float]:
         """Order of the buckets an idle thread may take (lowest first).
 
-        The batch that serves the most items per second of model time goes first, so
-        a cheap group of windows is not held behind an expensive one; an item passed
-        over for two of its own full batches' time, or for half the CoDel interval (past
-        the whole of it, a standing queue would shed it), goes before any of those,
-        oldest first.
+        The batch serving the most items per second of model time goes first, so cheap
+        windows wait behind no expensive ones; an item passed over for two of its own
+        batches' time, or half the CoDel interval at most, goes before those, oldest first.
         """
         size = self.config.max_batch_size
         overdue_s = min(2 * self.times.predict(bucket, size), self.config.standing_after_s / 2)
@@ -374,7 +366,7 @@ class Batcher(Queues):
         Serving newest first leaves the oldest at the front; without this they would
         hold their places (and make the bucket look oldest) until their deadline.
         """
-        oldest_allowed = now - self.config.standing_after_s
+        oldest_allowed = now - self._stale_after_s()
         for priority, queue in enumerate(self._queues[bucket][:JOB]):
             if priority == CRITICAL:
                 continue
@@ -387,12 +379,19 @@ class Batcher(Queues):
                         "shed", "queued too long under sustained overload",
                         retry_after_ms=1000 * max(self.backlog_s(), 0.05)))
 
+    def _stale_after_s(self) -> float:
+        """How long a non-critical item may wait in a standing queue: the CoDel interval,
+        or two full batches of the longest bucket queued if more (with long windows
+        queued, a wait that long is the batching itself, not a queue that will not drain)."""
+        longest = self.times.predict(self.longest_queued(), self.config.max_batch_size)
+        return max(self.config.standing_after_s, 2 * longest)
+
     def _refuse_at_dispatch(self, item: Item, finish: float, now: float,
                             standing: bool) -> VegaError | None:
         if item.deadline <= finish:
             return VegaError("deadline_exceeded", "deadline passed while queued")
         if standing and item.priority != CRITICAL and \
-                now - item.enqueued_at > self.config.standing_after_s:
+                now - item.enqueued_at > self._stale_after_s():
             return VegaError("shed", "queued too long under sustained overload",
                              retry_after_ms=1000 * max(self.backlog_s(), 0.001))
         return None
