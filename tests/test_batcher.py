@@ -403,24 +403,6 @@ async def test_standing_queue_sweeps_stale_items_from_the_old_end(running: Start
     assert ran == {i.id for i in first + fresh}
 
 
-async def test_a_standing_queue_keeps_items_that_wait_no_longer_than_two_batches(
-        running: Start) -> None:
-    # As above, but a batch is predicted to take 100 ms: waiting 90 ms behind one is the
-    # batching itself, so under a 50-ms interval nothing is shed until two batches' time.
-    sink = RecordingSink()
-    sink.gate.clear()
-    batcher, _ = running(sink, max_inflight=1, max_batch_size=2, max_wait_s=0.0,
-                         standing_after_s=0.05)
-    costed(batcher, {0: (0.1, 0.0), 1: (0.1, 0.0), 2: (0.1, 0.0)})
-    first = [item(batcher), item(batcher)]
-    await asyncio.sleep(0.01)
-    waiting = [item(batcher) for _ in range(4)]
-    await asyncio.sleep(0.08)
-    sink.gate.set()
-    await asyncio.wait_for(asyncio.gather(*(i.future for i in first + waiting)), 5)
-    assert {i.id for b in sink.batches for i in b.items} == {i.id for i in first + waiting}
-
-
 def costed(batcher: Batcher, lines: dict[int, tuple[float, float]]) -> None:
     """Seed the predictor: bucket b's batch costs ``fixed + per_item * size`` seconds."""
     for bucket, (fixed, per_item) in lines.items():

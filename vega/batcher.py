@@ -366,7 +366,7 @@ class Batcher(Queues):
         Serving newest first leaves the oldest at the front; without this they would
         hold their places (and make the bucket look oldest) until their deadline.
         """
-        oldest_allowed = now - self._stale_after_s()
+        oldest_allowed = now - self.config.standing_after_s
         for priority, queue in enumerate(self._queues[bucket][:JOB]):
             if priority == CRITICAL:
                 continue
@@ -379,19 +379,12 @@ class Batcher(Queues):
                         "shed", "queued too long under sustained overload",
                         retry_after_ms=1000 * max(self.backlog_s(), 0.05)))
 
-    def _stale_after_s(self) -> float:
-        """How long a non-critical item may wait in a standing queue: the CoDel interval,
-        or two full batches of the longest bucket queued if more (with long windows
-        queued, a wait that long is the batching itself, not a queue that will not drain)."""
-        longest = self.times.predict(self.longest_queued(), self.config.max_batch_size)
-        return max(self.config.standing_after_s, 2 * longest)
-
     def _refuse_at_dispatch(self, item: Item, finish: float, now: float,
                             standing: bool) -> VegaError | None:
         if item.deadline <= finish:
             return VegaError("deadline_exceeded", "deadline passed while queued")
         if standing and item.priority != CRITICAL and \
-                now - item.enqueued_at > self._stale_after_s():
+                now - item.enqueued_at > self.config.standing_after_s:
             return VegaError("shed", "queued too long under sustained overload",
                              retry_after_ms=1000 * max(self.backlog_s(), 0.001))
         return None
