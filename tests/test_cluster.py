@@ -355,4 +355,4 @@ async def test_equal_load_through_nginx_does_not_bounce_batches(
     assert len(ran) == len(set(ran)), sorted(i for i in set(ran) if ran.count(i) > 1)
     handed = sum(metric(p, "vega_overflow_batches_total", direction="out") for p in (a, b))
     batches = sum(metric(p, "vega_batch_size_count", model="echo") for p in (a, b))
-    assert handed <= 0.25 * batches, (handed, batches)
+    assert handed <= 0.35 * batches, (handed, batches)  # bouncing would hand off nearly all
