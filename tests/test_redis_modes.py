@@ -22,10 +22,11 @@ import orjson
 import pytest
 
 from tests.books import Books, offer, steady
-from tests.models import echo, forwarded, ledger, tagged, window
+from tests.models import forwarded, ledger, tagged, window
 from tests.redis_topologies import Cluster, SentinelSet, spread
 from tests.servers import ROOT, VegaProcess, metric, wait_until
 from tests.test_cluster import CLUSTER_ENV, check_outputs, outcomes, peers_of, send
+from tests.test_streams import solo_runtime
 from vega.channel.client import connect
 from vega.channel.keys import NODES, node_key, overflow_key, reply_key
 from vega.channel.url import CLUSTER, SENTINEL, STANDALONE, parse_redis_url
@@ -81,20 +82,8 @@ def test_a_malformed_url_stops_the_start_with_one_line_and_exit_2() -> None:
 
 @pytest.fixture
 async def runtime(redis_cluster: Cluster) -> AsyncIterator[Runtime]:
-    settings = load_settings(environ={
-        "VEGA_REDIS_URL": redis_cluster.url, "VEGA_NODE_ID": "solo", "VEGA_WARMUP_BATCHES": "1",
-        "VEGA_LENGTH_BUCKETS": "16", "VEGA_MAX_BATCH_SIZE": "4", "VEGA_HEARTBEAT_MS": "100",
-        "VEGA_TORCH_THREADS": "1"})
-    rt = Runtime(settings, [echo("echo")])
-    await rt.start()
-    await rt.wait_ready()
-    assert rt.streams is not None
-    for _ in range(100):
-        if rt.streams.up:
-            break
-        await asyncio.sleep(0.05)
-    yield rt
-    await rt.stop()
+    async with solo_runtime(redis_cluster.url) as rt:
+        yield rt
 
 
 async def test_heartbeats_and_the_node_registry_work_across_the_cluster_s_slots(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -109,10 +110,11 @@ def test_keys_share_the_model_hash_tag() -> None:
 # -- one runtime in this process against a real redis-server -----------------------
 
 
-@pytest.fixture
-async def runtime(redis_server: RedisServer) -> AsyncIterator[Runtime]:
+@asynccontextmanager
+async def solo_runtime(redis_url: str) -> AsyncIterator[Runtime]:
+    """A warm runtime serving the echo model alone, its Redis side channel up."""
     settings = load_settings(environ={
-        "VEGA_REDIS_URL": redis_server.url, "VEGA_NODE_ID": "solo", "VEGA_WARMUP_BATCHES": "1",
+        "VEGA_REDIS_URL": redis_url, "VEGA_NODE_ID": "solo", "VEGA_WARMUP_BATCHES": "1",
         "VEGA_LENGTH_BUCKETS": "16", "VEGA_MAX_BATCH_SIZE": "4", "VEGA_HEARTBEAT_MS": "100",
         "VEGA_TORCH_THREADS": "1"})
     rt = Runtime(settings, [echo("echo")])
@@ -123,8 +125,16 @@ async def runtime(redis_server: RedisServer) -> AsyncIterator[Runtime]:
         if rt.streams.up:
             break
         await asyncio.sleep(0.05)
-    yield rt
-    await rt.stop()
+    try:
+        yield rt
+    finally:
+        await rt.stop()
+
+
+@pytest.fixture
+async def runtime(redis_server: RedisServer) -> AsyncIterator[Runtime]:
+    async with solo_runtime(redis_server.url) as rt:
+        yield rt
 
 
 async def test_heartbeat_is_written_with_a_ttl(runtime: Runtime,
