@@ -370,6 +370,44 @@ async def test_standing_queue_serves_newest_first_and_sheds_old_non_critical(run
     assert order == [first.id, old_critical.id, new.id]
 
 
+class SteppedSink(RecordingSink):
+    """Holds each batch until the test releases it, one at a time, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = asyncio.Semaphore(0)
+
+    async def __call__(self, batch: Batch) -> None:
+        self.batches.append(batch)
+        await self.released.acquire()
+        for queued in batch.items:
+            queued.future.set_result(queued.id)
+
+
+async def test_a_queue_that_never_empties_but_keeps_up_is_served_oldest_first(
+        running: Start) -> None:
+    # A closed-loop load the server carries: the queue never empties, yet nothing waits
+    # out the interval. Served newest first, its oldest item would be the one to wait it
+    # out and be shed; oldest first, every item is served.
+    sink = SteppedSink()
+    batcher, _ = running(sink, max_inflight=1, max_batch_size=1, max_wait_s=0.0,
+                         standing_after_s=0.5)
+    loop = asyncio.get_running_loop()
+    first, second = item(batcher), item(batcher)  # the first runs, the second waits
+    await asyncio.sleep(0.3)
+    third = item(batcher)
+    sink.released.release()  # the second goes; the third keeps the queue from emptying
+    await asyncio.sleep(0.3)
+    fourth = item(batcher)
+    assert batcher.standing(loop.time()) and not batcher.newest_first(loop.time())
+    for _ in range(3):
+        sink.released.release()
+    answers = await asyncio.wait_for(asyncio.gather(
+        *(i.future for i in (first, second, third, fourth))), 5)
+    assert answers == [first.id, second.id, third.id, fourth.id]
+    assert [b.items[0].id for b in sink.batches] == answers
+
+
 async def test_wait_idle_returns_only_when_everything_is_answered(running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()

@@ -194,6 +194,16 @@ def test_jobs_held_by_a_killed_process_are_finished_by_the_other_on_the_cluster(
 # -- Sentinel: the primary killed with jobs queued and held --------------------------
 
 
+def status_when_answering(proc: VegaProcess, job_id: str) -> str | None:
+    """A job's status; None while the job store is away (503 not_ready, as the contract says)."""
+    response = httpx.get(f"{proc.url}/v1/jobs/{job_id}", timeout=10)
+    if response.status_code == 503:
+        assert response.json()["error"]["code"] == "not_ready", response.text
+        return None
+    assert response.status_code == 200, response.text
+    return str(response.json()["status"])
+
+
 def test_jobs_submitted_before_a_sentinel_failover_are_all_done_after_it(
         redis_sentinel: SentinelSet, vega: Callable[..., VegaProcess], tmp_path: Path) -> None:
     book = str(tmp_path / "ledger")
@@ -219,7 +229,8 @@ def test_jobs_submitted_before_a_sentinel_failover_are_all_done_after_it(
     submitter.start()
     try:
         redis_sentinel.fail_over()
-        wait_until(lambda: job(proc, ids[5000])["status"] in ("queued", "running", "done"),
+        wait_until(lambda: status_when_answering(proc, ids[5000]) in ("queued", "running",
+                                                                      "done"),
                    30, "the job store answering again")
     finally:
         stop.set()

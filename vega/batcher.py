@@ -87,6 +87,7 @@ class Batcher(Queues):
         self._running = False  # while run() is looping
         # Each batch in flight, with when it is predicted to start and to end (loop clock).
         self._inflight: dict[asyncio.Future[None], tuple[float, float]] = {}
+        self._shed_at: float | None = None  # when a standing queue last shed a stale item
         self.padded_steps = 0  # padding run through the model so far, in timesteps
         self.batch_steps = 0  # every timestep run, padding included
 
@@ -133,6 +134,15 @@ class Batcher(Queues):
     def standing(self, now: float) -> bool:
         since = self._nonempty_since
         return since is not None and now - since > self.config.standing_after_s
+
+    def newest_first(self, now: float) -> bool:
+        """While a standing queue has shed within the interval: newest first (rule 5).
+
+        A load the server carries can keep the queue from emptying with no item waiting
+        out the interval; newest first would make its oldest wait it out and be shed."""
+        shed_at = self._shed_at
+        return shed_at is not None and now - shed_at < self.config.standing_after_s \
+            and self.standing(now)
 
     async def wait_idle(self) -> None:
         """Return once nothing is queued or in flight (for drain)."""
@@ -268,16 +278,17 @@ class Batcher(Queues):
         return (1, -items / seconds if seconds > 0 else oldest)
 
     def _form(self, bucket: int, now: float) -> Batch:
-        lifo = self.standing(now)
-        if lifo:
+        standing = self.standing(now)
+        if standing:
             self._sweep_stale(bucket, now)
+        lifo = self.newest_first(now)
         shares = self._shares(bucket)
         top = max(shares)
         size = min(self.config.max_batch_size, sum(shares.values()))
         finish = now + self.times.predict(top, size)
         items: list[Item] = []
         for source, count in shares.items():
-            self._take(source, count, items, finish, now, lifo)
+            self._take(source, count, items, finish, now, lifo, standing)
         pad_to = max((item.length for item in items), default=0)
         return Batch(model=self.config.model, bucket=top, items=items, formed_at=now,
                      pad_to=pad_to)
@@ -342,7 +353,7 @@ class Batcher(Queues):
         return size
 
     def _take(self, bucket: int, count: int, items: list[Item], finish: float, now: float,
-              lifo: bool) -> None:
+              lifo: bool, standing: bool) -> None:
         """Move up to ``count`` live items of ``bucket`` into ``items``, critical first."""
         taken = 0
         lane, _ = self._lane()
@@ -353,7 +364,7 @@ class Batcher(Queues):
                     continue
                 self._count(item, -1)
                 item.dispatched_at = now
-                refusal = self._refuse_at_dispatch(item, finish, now, lifo)
+                refusal = self._refuse_at_dispatch(item, finish, now, standing)
                 if refusal is not None:
                     item.future.set_exception(refusal)
                 else:
@@ -364,8 +375,7 @@ class Batcher(Queues):
         """Answer non-critical items that waited past the interval at the old end.
 
         Serving newest first leaves the oldest at the front; without this they would
-        hold their places (and make the bucket look oldest) until their deadline.
-        """
+        hold their places (and make the bucket look oldest) until their deadline."""
         oldest_allowed = now - self.config.standing_after_s
         for priority, queue in enumerate(self._queues[bucket][:JOB]):
             if priority == CRITICAL:
@@ -375,9 +385,12 @@ class Batcher(Queues):
                 if item.live:
                     self._count(item, -1)
                     item.dispatched_at = now
-                    item.future.set_exception(VegaError(
-                        "shed", "queued too long under sustained overload",
-                        retry_after_ms=1000 * max(self.backlog_s(), 0.05)))
+                    item.future.set_exception(self._shed(now))
+
+    def _shed(self, now: float) -> VegaError:
+        self._shed_at = now
+        return VegaError("shed", "queued too long under sustained overload",
+                         retry_after_ms=1000 * max(self.backlog_s(), 0.05))
 
     def _refuse_at_dispatch(self, item: Item, finish: float, now: float,
                             standing: bool) -> VegaError | None:
@@ -385,8 +398,7 @@ class Batcher(Queues):
             return VegaError("deadline_exceeded", "deadline passed while queued")
         if standing and item.priority != CRITICAL and \
                 now - item.enqueued_at > self.config.standing_after_s:
-            return VegaError("shed", "queued too long under sustained overload",
-                             retry_after_ms=1000 * max(self.backlog_s(), 0.001))
+            return self._shed(now)
         return None
 
     def _freeing_run(self) -> tuple[float, float] | None:
