@@ -13,8 +13,10 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.models import FAIL_MARK, encoder, window
+from tests.models import FAIL_MARK, echo, encoder, window
 from tests.servers import VegaProcess, metric, wait_until
+from tests.virtual.test_batcher import config, item
+from vega.batcher import Batcher
 from vega.errors import VegaError
 from vega.executor import Executor
 from vega.modelproc import ProcessPlan
@@ -164,3 +166,35 @@ def test_auto_runs_an_eager_module_in_a_process_and_torchscript_in_a_thread(
     assert metric(eager, "vega_batch_steps_total", model="encoder") > 0
     builtin = vega()
     assert httpx.get(builtin.url + "/v1/status", timeout=5).json()["executor"]["kind"] == "thread"
+
+
+async def test_a_freed_thread_gets_the_held_batch_before_the_answers_are_handled() -> None:
+    """With the real executor: the batch held while the thread was busy is dispatched in
+    the finished batch's own callback, ahead of the handlers that batch wakes; queued
+    behind them it waited out their work with the thread idle."""
+    model = echo("m")
+    model.load("cpu")
+    executor = Executor({"m": model})
+    dispatched: list[int] = []
+
+    def sink(batch: Batch) -> asyncio.Future[None]:
+        dispatched.append(batch.size)
+        return executor.run(batch)
+
+    batcher = Batcher(config(max_batch_size=4, max_wait_s=60.0, dispatch_when_idle=True), sink)
+    task = asyncio.create_task(batcher.run())
+    try:
+        sample, length = model.decode(window(10))
+        first = [item(batcher, sample=sample) for _ in range(4)]
+        while not dispatched:
+            await asyncio.sleep(0.001)
+        held = [item(batcher, sample=sample) for _ in range(2)]  # partial: kept while busy
+        seen_by_first_handler: list[int] = []
+        first[0].future.add_done_callback(lambda _: seen_by_first_handler.append(len(dispatched)))
+        await asyncio.wait_for(asyncio.gather(*(i.future for i in first + held)), 10)
+        assert seen_by_first_handler == [2]
+        assert dispatched == [4, 2]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        executor.shutdown()

@@ -169,8 +169,7 @@ class Batcher(Queues):
     def _left_queue(self, item: Item, _future: asyncio.Future[Any]) -> None:
         # Answered or cancelled while still queued (deadline, caller gone): the deque
         # drops it lazily when it reaches the front; the counts change now.
-        if not item.dispatched_at:
-            item.dispatched_at = -1.0
+        if item.counted:
             self._count(item, -1)
             self._maybe_idle()
 

@@ -51,6 +51,7 @@ class Queues:
         return min((item.enqueued_at for item in heads if item is not None), default=None)
 
     def _count(self, item: Item, sign: int) -> None:
+        item.counted = sign > 0
         self._depth[item.priority] += sign
         self._cost[item.priority] += sign * item.cost
         self._counts[item.bucket][item.priority] += sign

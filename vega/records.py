@@ -38,6 +38,7 @@ class Item:
     future: asyncio.Future[Any]
     enqueued_at: float = 0.0
     dispatched_at: float = 0.0
+    counted: bool = False  # in its batcher's queue counts (a clock may read 0.0)
     infer_s: float = 0.0  # forward time of the batch that answered it
     bucket: int = 0  # index into the model's length buckets
     cost: float = 1.0  # admission cost units

@@ -1,4 +1,5 @@
-"""The batcher as a function fed by enqueue, with a recording sink held open by a gate."""
+"""The batcher as a function fed by enqueue, with a recording sink held open by a gate
+(on the virtual clock: see conftest.py here)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.models import echo, window
 from vega.batcher import FORM_AHEAD, Batcher, BatcherConfig
 from vega.errors import VegaError
-from vega.executor import Executor
 from vega.records import CRITICAL, JOB, NORMAL, SHEDDABLE, Batch, Item
 
 
@@ -290,38 +289,6 @@ async def test_pipelining_is_bounded_by_max_inflight(running: Start) -> None:
     sink.gate.set()
     await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 5)
     assert sink.max_running == 2
-
-
-async def test_a_freed_thread_gets_the_held_batch_before_the_answers_are_handled() -> None:
-    """With the real executor: the batch held while the thread was busy is dispatched in
-    the finished batch's own callback, ahead of the handlers that batch wakes; queued
-    behind them it waited out their work with the thread idle."""
-    model = echo("m")
-    model.load("cpu")
-    executor = Executor({"m": model})
-    dispatched: list[int] = []
-
-    def sink(batch: Batch) -> asyncio.Future[None]:
-        dispatched.append(batch.size)
-        return executor.run(batch)
-
-    batcher = Batcher(config(max_batch_size=4, max_wait_s=60.0, dispatch_when_idle=True), sink)
-    task = asyncio.create_task(batcher.run())
-    try:
-        sample, length = model.decode(window(10))
-        first = [item(batcher, sample=sample) for _ in range(4)]
-        while not dispatched:
-            await asyncio.sleep(0.001)
-        held = [item(batcher, sample=sample) for _ in range(2)]  # partial: kept while busy
-        seen_by_first_handler: list[int] = []
-        first[0].future.add_done_callback(lambda _: seen_by_first_handler.append(len(dispatched)))
-        await asyncio.wait_for(asyncio.gather(*(i.future for i in first + held)), 10)
-        assert seen_by_first_handler == [2]
-        assert dispatched == [4, 2]
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        executor.shutdown()
 
 
 async def test_once_stopped_a_finishing_batch_starts_no_other() -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_batcher import RecordingSink, config, costed, formed_once, held, item
+from tests.virtual.test_batcher import (
+    RecordingSink,
+    config,
+    costed,
+    formed_once,
+    held,
+    item,
+)
 from vega.batcher import Batcher
 from vega.buckets import line_at, per_item_s, plan_bounds
 from vega.timing import BatchTimes
