@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -87,6 +88,14 @@ def test_arbitrary_headers(client: httpx.Client, priority: str, deadline: str,
 ])
 def test_known_nasty_bodies(client: httpx.Client, content: bytes) -> None:
     check(client, content)
+
+
+def test_413_is_answered_without_reading_the_rest(server: VegaProcess) -> None:
+    # Declared too long: refused from the headers, before a byte of the body is sent.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413")
 
 
 def test_still_serving_after_all_that(client: httpx.Client, server: VegaProcess) -> None:

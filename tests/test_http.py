@@ -1,34 +1,41 @@
-"""HTTP behaviour of one real `vega serve` process: the status table of DESIGN.md."""
+"""What Vega answers over HTTP, in this process (tests/inproc.py): the status table of
+DESIGN.md. Socket-level behaviour (a 413 before the body is read) is in test_hostile.py."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import numpy as np
 import orjson
 import pytest
+import pytest_asyncio
 
+from tests.inproc import in_process
 from tests.models import FAIL_MARK, window
-from tests.servers import VegaProcess
+from tests.models import echo as echo_model
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest.fixture(scope="module")
-def sensor(vega_module: Callable[..., VegaProcess]) -> VegaProcess:
-    return vega_module(VEGA_MAX_BODY_BYTES="200000", VEGA_TORCH_THREADS="1")
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sensor() -> AsyncIterator[httpx.AsyncClient]:
+    async with in_process({"VEGA_MAX_BODY_BYTES": "200000"}) as (client, _):
+        yield client
 
 
-@pytest.fixture(scope="module")
-def echo(vega_module: Callable[..., VegaProcess]) -> VegaProcess:
-    return vega_module(VEGA_MODEL="python:tests.models:echo", TEST_HANG_MS="600",
-                       VEGA_MAX_WAIT_MS="2")
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def echo() -> AsyncIterator[httpx.AsyncClient]:
+    model = echo_model("echo")
+    model.module.hang_s = 0.6  # a window marked -FAIL_MARK hangs this long
+    async with in_process({"VEGA_MAX_WAIT_MS": "2"}, [model]) as (client, _):
+        yield client
 
 
-def post(server: VegaProcess, body: object, path: str = "/v1/infer",
-         headers: dict[str, str] | None = None) -> httpx.Response:
+async def post(client: httpx.AsyncClient, body: object, path: str = "/v1/infer",
+               headers: dict[str, str] | None = None) -> httpx.Response:
     content = body if isinstance(body, bytes) else orjson.dumps(body)
-    return httpx.post(server.url + path, content=content, headers=headers, timeout=30)
+    return await client.post(path, content=content, headers=headers)
 
 
 def error_of(response: httpx.Response) -> str:
@@ -37,8 +44,8 @@ def error_of(response: httpx.Response) -> str:
     return str(body["error"]["code"])
 
 
-def test_answers_one_window_with_outputs_and_server_timing(sensor: VegaProcess) -> None:
-    response = post(sensor, {"inputs": window(20)})
+async def test_answers_one_window_with_outputs_and_server_timing(sensor: httpx.AsyncClient) -> None:
+    response = await post(sensor, {"inputs": window(20)})
     assert response.status_code == 200
     outputs = response.json()["outputs"]
     assert len(outputs) == 4 and sum(outputs) == pytest.approx(1.0, abs=1e-5)
@@ -46,17 +53,18 @@ def test_answers_one_window_with_outputs_and_server_timing(sensor: VegaProcess) 
     assert timing.startswith("queue;dur=") and ", infer;dur=" in timing
 
 
-def test_same_window_alone_or_batched_gives_the_same_answer(sensor: VegaProcess) -> None:
+async def test_same_window_alone_or_batched_gives_the_same_answer(
+        sensor: httpx.AsyncClient) -> None:
     rng = np.random.default_rng(1)
     windows = [rng.standard_normal((n, 8)).tolist() for n in (5, 40, 33)]
-    together = post(sensor, {"instances": windows}).json()["outputs"]
-    alone = [post(sensor, {"inputs": w}).json()["outputs"] for w in windows]
+    together = (await post(sensor, {"instances": windows})).json()["outputs"]
+    alone = [(await post(sensor, {"inputs": w})).json()["outputs"] for w in windows]
     np.testing.assert_allclose(together, alone, atol=1e-5)
 
 
-def test_instances_are_answered_in_order(echo: VegaProcess) -> None:
+async def test_instances_are_answered_in_order(echo: httpx.AsyncClient) -> None:
     windows = [window(n, value=float(n)) for n in (300, 2, 40, 7, 100)]
-    response = post(echo, {"instances": windows})
+    response = await post(echo, {"instances": windows})
     assert response.status_code == 200
     sums = [row[0] for row in response.json()["outputs"]]
     assert sums == [n * n * 8 for n in (300, 2, 40, 7, 100)]
@@ -81,91 +89,86 @@ def test_instances_are_answered_in_order(echo: VegaProcess) -> None:
     ({"inputs": [[0.0] * 8], "deadline_ms": "soon"}, "invalid_input"),
     ([1, 2, 3], "invalid_input"),
 ])
-def test_bad_input_is_a_clear_4xx(sensor: VegaProcess, body: object, code: str) -> None:
-    response = post(sensor, body)
+async def test_bad_input_is_a_clear_4xx(sensor: httpx.AsyncClient, body: object, code: str) -> None:
+    response = await post(sensor, body)
     assert response.status_code == {"invalid_json": 400, "invalid_input": 422}[code]
     assert error_of(response) == code
 
 
-def test_inference_paths_answer_only_post_and_real_paths(sensor: VegaProcess) -> None:
+async def test_inference_paths_answer_only_post_and_real_paths(sensor: httpx.AsyncClient) -> None:
     # POSTs to the inference paths skip Starlette's router (vega/server.py HotRoutes);
     # anything else must still get what the router says.
-    assert httpx.get(sensor.url + "/v1/infer").status_code == 405
-    assert httpx.get(sensor.url + "/v1/models/sensor/infer").status_code == 405
+    assert (await sensor.get("/v1/infer")).status_code == 405
+    assert (await sensor.get("/v1/models/sensor/infer")).status_code == 405
     for path in ("/v1/models/a/b/infer", "/v1/models//infer", "/v1/infer/"):
-        assert post(sensor, {"inputs": window(4)}, path=path).status_code in (404, 307), path
-    assert post(sensor, {"inputs": window(4)}, path="/v1/infer").status_code == 200
+        answer = await post(sensor, {"inputs": window(4)}, path=path)
+        assert answer.status_code in (404, 307), path
+    assert (await post(sensor, {"inputs": window(4)}, path="/v1/infer")).status_code == 200
 
 
-def test_bad_priority_header_is_422(sensor: VegaProcess) -> None:
-    response = post(sensor, {"inputs": window(4)}, headers={"X-Vega-Priority": "vip"})
+async def test_bad_priority_header_is_422(sensor: httpx.AsyncClient) -> None:
+    response = await post(sensor, {"inputs": window(4)}, headers={"X-Vega-Priority": "vip"})
     assert response.status_code == 422 and error_of(response) == "invalid_input"
 
 
-def test_unknown_model_is_404(sensor: VegaProcess) -> None:
-    response = post(sensor, {"inputs": window(4)}, path="/v1/models/nope/infer")
+async def test_unknown_model_is_404(sensor: httpx.AsyncClient) -> None:
+    response = await post(sensor, {"inputs": window(4)}, path="/v1/models/nope/infer")
     assert response.status_code == 404 and error_of(response) == "model_not_found"
-    assert post(sensor, {"inputs": window(4)}, path="/v1/models/sensor/infer").status_code == 200
+    named = await post(sensor, {"inputs": window(4)}, path="/v1/models/sensor/infer")
+    assert named.status_code == 200
 
 
-def test_body_over_the_limit_is_413_declared_or_streamed(sensor: VegaProcess) -> None:
+async def test_body_over_the_limit_is_413_declared_or_streamed(sensor: httpx.AsyncClient) -> None:
     big = b'{"inputs": [' + b"[0,0,0,0,0,0,0,0]," * 20000 + b"[0,0,0,0,0,0,0,0]]}"
-    response = post(sensor, big)
+    response = await post(sensor, big)
     assert response.status_code == 413 and error_of(response) == "payload_too_large"
 
-    def chunks() -> Iterator[bytes]:
+    async def chunks() -> AsyncIterator[bytes]:
         yield big[:1000]
         yield big[1000:]
 
-    streamed = httpx.post(sensor.url + "/v1/infer", content=chunks(), timeout=30)
+    streamed = await sensor.post("/v1/infer", content=chunks())
     assert streamed.status_code == 413
 
 
-def test_413_is_answered_without_reading_the_rest(sensor: VegaProcess) -> None:
-    with socket.create_connection(("127.0.0.1", sensor.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
-        reply = sock.recv(4096)
-    assert reply.startswith(b"HTTP/1.1 413")
-
-
-def test_model_error_is_500_for_that_batch_only(echo: VegaProcess) -> None:
+async def test_model_error_is_500_for_that_batch_only(echo: httpx.AsyncClient) -> None:
     bad = window(8, value=1.0)
     bad[0][0] = FAIL_MARK
-    response = post(echo, {"inputs": bad})
+    response = await post(echo, {"inputs": bad})
     assert response.status_code == 500 and error_of(response) == "model_error"
-    assert post(echo, {"inputs": window(8)}).status_code == 200
-    assert httpx.get(echo.url + "/readyz").status_code == 200
+    assert (await post(echo, {"inputs": window(8)})).status_code == 200
+    assert (await echo.get("/readyz")).status_code == 200
 
 
-def test_deadline_passing_while_running_is_504(echo: VegaProcess) -> None:
+async def test_deadline_passing_while_running_is_504(echo: httpx.AsyncClient) -> None:
     hang = window(8)
     hang[0][0] = -FAIL_MARK
-    response = post(echo, {"inputs": hang, "deadline_ms": 300})
+    response = await post(echo, {"inputs": hang, "deadline_ms": 300})
     assert response.status_code == 504 and error_of(response) == "deadline_exceeded"
 
 
-def test_deadline_header_and_priority_header_are_honoured(echo: VegaProcess) -> None:
-    response = post(echo, {"inputs": window(8)},
+async def test_deadline_header_and_priority_header_are_honoured(echo: httpx.AsyncClient) -> None:
+    response = await post(echo, {"inputs": window(8)},
                     headers={"X-Vega-Priority": "critical", "X-Vega-Deadline-Ms": "9000"})
     assert response.status_code == 200
     # 1 ms cannot cover the batching window (2 ms): refused up front, not run late.
-    hopeless = post(echo, {"inputs": window(8)}, headers={"X-Vega-Deadline-Ms": "1"})
+    hopeless = await post(echo, {"inputs": window(8)}, headers={"X-Vega-Deadline-Ms": "1"})
     assert hopeless.status_code == 429 and error_of(hopeless) == "deadline_unmeetable"
     assert int(hopeless.headers["retry-after"]) >= 1
-    metrics = httpx.get(echo.url + "/metrics").text
+    metrics = (await echo.get("/metrics")).text
     assert 'vega_requests_total{model="echo",outcome="ok",priority="critical"}' in metrics
 
 
-def test_status_models_metrics_and_health(echo: VegaProcess) -> None:
-    assert httpx.get(echo.url + "/healthz").json() == {"status": "ok"}
-    assert httpx.get(echo.url + "/readyz").status_code == 200
-    status = httpx.get(echo.url + "/v1/status").json()
+async def test_status_models_metrics_and_health(echo: httpx.AsyncClient) -> None:
+    assert (await echo.get("/healthz")).json() == {"status": "ok"}
+    assert (await echo.get("/readyz")).status_code == 200
+    status = (await echo.get("/v1/status")).json()
     assert status["ready"] is True
     assert set(status["models"]["echo"]["depth"]) == {"critical", "normal", "sheddable"}
     assert status["models"]["echo"]["service_rate_items_per_s"] > 0
-    models = httpx.get(echo.url + "/v1/models").json()["models"]
+    models = (await echo.get("/v1/models")).json()["models"]
     assert models[0]["name"] == "echo" and models[0]["inputs"][0]["shape"] == [-1, 8]
-    metrics = httpx.get(echo.url + "/metrics").text
+    metrics = (await echo.get("/metrics")).text
     for name in ("vega_requests_total", "vega_rejections_total", "vega_queue_depth",
                  "vega_queue_wait_seconds", "vega_batch_size", "vega_batch_padding_ratio",
                  "vega_inference_seconds", "vega_request_seconds", "vega_inflight_batches",

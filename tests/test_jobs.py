@@ -13,10 +13,9 @@ import pytest
 import redis
 
 from tests.infra import RedisServer
+from tests.inproc import in_process
 from tests.models import FAIL_MARK, echo, window
-from vega.config import load_settings
 from vega.runtime import Runtime
-from vega.server import create_app
 
 BASE = {"VEGA_WARMUP_BATCHES": "1", "VEGA_TORCH_THREADS": "1", "VEGA_LENGTH_BUCKETS": "16",
         "VEGA_CAPACITY_SAMPLE_S": "0.05"}
@@ -24,17 +23,9 @@ BASE = {"VEGA_WARMUP_BATCHES": "1", "VEGA_TORCH_THREADS": "1", "VEGA_LENGTH_BUCK
 
 @asynccontextmanager
 async def served(**env: str) -> AsyncIterator[tuple[httpx.AsyncClient, Runtime, Any]]:
-    settings = load_settings(environ={**BASE, **env})
     model = echo("echo")
-    app, runtime = create_app(settings, [model])
-    await runtime.start()
-    await runtime.wait_ready()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://vega") as client:
-            yield client, runtime, model
-    finally:
-        await runtime.stop()
+    async with in_process({**BASE, **env}, [model]) as (client, runtime):
+        yield client, runtime, model
 
 
 async def until_final(client: httpx.AsyncClient, job_id: str, timeout_s: float = 20) -> Any:

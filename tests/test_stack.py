@@ -11,11 +11,10 @@ import httpx
 import orjson
 import pytest
 
+from tests.inproc import in_process
 from tests.models import echo, forwarded, window
-from vega.config import load_settings
 from vega.pressure.cache import ResponseCache
 from vega.runtime import Runtime
-from vega.server import create_app
 
 V1 = orjson.dumps({"inputs": window(8)})
 V2 = orjson.dumps({"inputs": [{"name": "INPUT__0", "shape": [1, 8, 8], "datatype": "FP32",
@@ -47,20 +46,11 @@ class Served:
 
 @pytest.fixture
 async def served(tmp_path: Path) -> AsyncIterator[Served]:
-    settings = load_settings(environ={"VEGA_WARMUP_BATCHES": "1", "VEGA_TORCH_THREADS": "1",
-                                      "VEGA_CACHE_BYTES": "1000000"})
     model = echo("echo")
-    app, runtime = create_app(settings, [model])
-    await runtime.start()
-    await runtime.wait_ready()
-    log = tmp_path / "forward.log"
-    model.module.forward_log = str(log)  # count forward passes from here on
-    transport = httpx.ASGITransport(app=app)
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://vega") as client:
-            yield Served(client, runtime, log)
-    finally:
-        await runtime.stop()
+    async with in_process({"VEGA_CACHE_BYTES": "1000000"}, [model]) as (client, runtime):
+        log = tmp_path / "forward.log"
+        model.module.forward_log = str(log)  # count forward passes from here on
+        yield Served(client, runtime, log)
 
 
 @pytest.mark.parametrize("protocol", ["v1", "v2"])
