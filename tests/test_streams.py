@@ -137,9 +137,8 @@ async def runtime(redis_server: RedisServer) -> AsyncIterator[Runtime]:
         yield rt
 
 
-async def test_heartbeat_is_written_with_a_ttl(runtime: Runtime,
-                                               redis_server: RedisServer) -> None:
-    client = aioredis.Redis.from_url(redis_server.url)
+async def check_the_solo_heartbeat(runtime: Runtime, client: Any) -> None:
+    """The solo runtime's beat is in Redis with a TTL of a few beats, and it sees no peer."""
     for _ in range(40):
         state = await client.hgetall(node_key("solo"))
         if state:
@@ -148,10 +147,19 @@ async def test_heartbeat_is_written_with_a_ttl(runtime: Runtime,
     assert state[b"node"] == b"solo" and orjson.loads(state[b"models"]) == ["echo"]
     assert 0 < await client.pttl(node_key("solo")) <= 800
     assert runtime.status()["redis_up"] is True and runtime.status()["peers"] == []
-    await client.aclose()
 
 
-async def test_a_hand_off_nobody_takes_is_taken_back_and_run_locally(runtime: Runtime) -> None:
+async def test_heartbeat_is_written_with_a_ttl(runtime: Runtime,
+                                               redis_server: RedisServer) -> None:
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await check_the_solo_heartbeat(runtime, client)
+    finally:
+        await client.aclose()
+
+
+async def check_an_unclaimed_hand_off_is_taken_back(runtime: Runtime) -> None:
+    """A batch offered to a peer that never steals is taken back and answered here."""
     streams = runtime.streams
     assert streams is not None
     for task in streams._tasks:  # nobody will steal: the origin's timer must answer
@@ -167,3 +175,7 @@ async def test_a_hand_off_nobody_takes_is_taken_back_and_run_locally(runtime: Ru
     output = await asyncio.wait_for(item.future, 1.0)
     assert output[0] == pytest.approx(16.0)
     assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 1
+
+
+async def test_a_hand_off_nobody_takes_is_taken_back_and_run_locally(runtime: Runtime) -> None:
+    await check_an_unclaimed_hand_off_is_taken_back(runtime)
