@@ -108,7 +108,11 @@ async def test_model_failures_and_hangs_are_answered_and_isolated(
     books = await offer(server.url, steady(50, 4, varied), Books())
     assert books.problems(ledger(str(tmp_path / "ran"))) == [], books.summary()
     tally = books.tally()
-    assert tally["500 model_error"] >= 10 and tally["504 deadline_exceeded"] >= 1, tally
+    # A raising batch never answers 200; how many marked items run at all (rather than
+    # being refused while a hang holds the thread) depends on timing: ~11 of 20 here.
+    marked = [i for i in books.outcomes if i % 10 == 0]
+    assert all(books.outcomes[i] != "200" for i in marked), tally
+    assert tally["500 model_error"] >= 5 and tally["504 deadline_exceeded"] >= 1, tally
     assert tally["200"] > 50, tally
     assert httpx.get(server.url + "/readyz").status_code == 200
 
