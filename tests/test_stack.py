@@ -3,13 +3,14 @@ the guard answers and counts whatever a layer raises."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from starlette.types import Message
 
 from tests.inproc import in_process
 from tests.models import echo, forwarded, window
@@ -118,3 +119,37 @@ async def test_idempotency_keys_work_on_both_protocols(served: Served, protocol:
     malformed = await served.client.post(path, content=body,
                                          headers={"Idempotency-Key": "has space"})
     assert malformed.status_code == 422
+
+
+async def test_a_caller_that_hangs_up_while_sending_its_body_is_counted_as_gone() -> None:
+    from vega.config import load_settings
+    from vega.server import create_app
+
+    app, runtime = create_app(load_settings(environ={"VEGA_WARMUP_BATCHES": "1"}),
+                              [echo("echo")])
+    await runtime.start()
+    await runtime.wait_ready()
+    messages: Iterator[Message] = iter([
+        {"type": "http.request", "body": V1[:10], "more_body": True}, {"type": "http.disconnect"}])
+
+    async def receive() -> Message:
+        return next(messages)
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/infer", "raw_path": b"/v1/infer",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 8000), "headers": [(b"content-type", b"application/json")]}
+    try:
+        await app(scope, receive, send)
+    finally:
+        await runtime.stop()
+    outcomes = {sample.labels["outcome"]: sample.value
+                for metric in runtime.metrics.requests.collect() for sample in metric.samples
+                if sample.name.endswith("_total")}
+    assert outcomes == {"disconnected": 1.0}  # not an internal error
+    assert sent[0]["status"] == 499

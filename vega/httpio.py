@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive
 
@@ -32,21 +32,31 @@ def error_response(error: VegaError) -> Response:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, or 413 as soon as it is known to be over ``limit``."""
+    """The whole body, or 413 as soon as it is known to be over ``limit``.
+
+    Read from the ASGI messages themselves: Starlette's stream generator costs more loop
+    time than the read. A caller that hangs up meanwhile raises ClientDisconnect.
+    """
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
             raise VegaError("invalid_json", "Content-Length is not a number")
         if int(declared) > limit:
             raise VegaError("payload_too_large", f"body over {limit} bytes")
+    receive = request.receive
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise VegaError("payload_too_large", f"body over {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def parse_json(body: bytes) -> Any:
@@ -92,3 +102,4 @@ def hung_up(receive: Receive) -> Callable[[], bool] | None:
     if not isinstance(getattr(cycle, "disconnected", None), bool):
         return None
     return lambda: bool(cycle.disconnected)
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -21,6 +23,7 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self._answers: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
         self.requests = Counter("vega_requests_total", "Requests answered, by outcome",
                                 ["model", "priority", "outcome"], registry=r)
         self.rejections = Counter("vega_rejections_total", "Requests refused, by reason",
@@ -124,6 +127,22 @@ class Metrics:
         self.jobs_reclaimed = Counter("vega_jobs_reclaimed_total",
                                       "Jobs taken over from a process that stopped answering",
                                       ["model"], registry=r)
+
+    def answered(self, model: str, priority: str, outcome: str, refused: bool,
+                 seconds: float | None) -> None:
+        """Count one answer: a refusal's reason, a 200's time. Once per request, so the
+        labelled children are kept rather than looked up each time."""
+        key = (model, priority, outcome)
+        children = self._answers.get(key)
+        if children is None:
+            children = self._answers[key] = (
+                self.requests.labels(*key), self.rejections.labels(*key) if refused else None,
+                self.request_seconds.labels(model))
+        children[0].inc()
+        if children[1] is not None:
+            children[1].inc()
+        if seconds is not None:
+            children[2].observe(seconds)
 
     def observe_batch(self, batch: Batch) -> None:
         """Once per finished batch: sizes, padding, inference and queue waits."""

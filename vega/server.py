@@ -226,7 +226,7 @@ class HotRoutes:
     """
 
     def __init__(self, app: ASGIApp,
-                 routes: Sequence[tuple[Route, Callable[[Request], Awaitable[Response]]]]) -> None:
+                 routes: Sequence[tuple[Route, Callable[[Request], Awaitable[ASGIApp]]]]) -> None:
         self.app = app
         self.routes = routes
 

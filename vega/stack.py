@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import orjson
-from starlette.requests import Request
-from starlette.responses import Response
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive, Scope, Send
 
 from vega.calls import Call, Dialect, Handler, Reply
 from vega.errors import REFUSALS, VegaError
@@ -109,6 +109,26 @@ class Later(Protocol):
         """The reply instead of ``refused``; ``body`` is None when it was not read."""
 
 
+class Sent:
+    """A reply as its two ASGI messages, with the headers a Starlette Response would
+    give it, but none of its machinery: this is the hot path's one answer."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, reply: Reply) -> None:
+        headers = [(b"content-length", str(len(reply.body)).encode())]
+        if reply.body and reply.media_type:
+            headers.append((b"content-type", reply.media_type.encode("latin-1")))
+        headers += [(key.lower().encode("latin-1"), value.encode("latin-1"))
+                    for key, value in reply.headers.items()]
+        self.status, self.headers, self.body = reply.status, headers, reply.body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status,
+                    "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
 class Guard:
     """One protocol's inference endpoint over the shared stack."""
 
@@ -122,12 +142,11 @@ class Guard:
         self.later = later
         self.max_body_bytes = runtime.settings.max_body_bytes
 
-    async def __call__(self, request: Request) -> Response:
+    async def __call__(self, request: Request) -> Sent:
         started = asyncio.get_running_loop().time()
         reply, model, priority = await self.reply(request)  # the body goes with its frame
         await self.conclude(model, priority, reply.outcome, started)
-        return Response(reply.body, reply.status, headers=reply.headers,
-                        media_type=reply.media_type if reply.body else None)
+        return Sent(reply)
 
     async def reply(self, request: Request) -> tuple[Reply, str, int]:
         """The reply to one request, the model it asked for and the class it was taken at."""
@@ -152,7 +171,7 @@ class Guard:
             reply = await self.handler(call)
         except VegaError as error:
             reply = self.refusal(request, error)
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):
             return DISCONNECTED, model, priority
         except Exception:
             log.exception("request %s: internal error", request.scope.get("vega.request_id"))
@@ -188,13 +207,10 @@ async def conclude(runtime: Runtime, model: str, priority: int, outcome: str,
     loop = asyncio.get_running_loop()
     metrics = runtime.metrics
     model = model if model in runtime.models else "_unknown"
-    label = PRIORITY_NAMES[priority]
-    metrics.requests.labels(model, label, outcome).inc()
-    if outcome in REFUSALS:
-        metrics.rejections.labels(model, label, outcome).inc()
-    if outcome == "ok":
-        metrics.request_seconds.labels(model).observe(loop.time() - started)
-    hold = runtime.pacer.hold(outcome, loop.time())
+    now = loop.time()
+    metrics.answered(model, PRIORITY_NAMES[priority], outcome, outcome in REFUSALS,
+                     now - started if outcome == "ok" else None)
+    hold = runtime.pacer.hold(outcome, now)
     if hold > 0:
         metrics.paced.labels(model).inc()
         await asyncio.sleep(hold)

@@ -27,6 +27,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 import vega
 from vega.calls import Call, Reply
@@ -108,7 +109,7 @@ class OipApi:
         return routes
 
     @staticmethod
-    def infer_routes(endpoint: Callable[[Request], Awaitable[Response]]) -> list[Route]:
+    def infer_routes(endpoint: Callable[[Request], Awaitable[ASGIApp]]) -> list[Route]:
         return [Route(model + "/infer", endpoint, methods=["POST"]) for model in MODEL_PATHS]
 
     # -- the dialect (vega.calls.Dialect) --------------------------------------------
