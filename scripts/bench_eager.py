@@ -14,18 +14,27 @@ runs on a fresh server, and each round takes them in turn:
 5. the same with the configured bounds as given (VEGA_BUCKET_PADDING=0), and with one
    bucket (VEGA_LENGTH_BUCKETS=512);
 6. 1024 connections that honour Retry-After, 64 steps;
-7. phases 2 and 3 with the module at width 256 (``encoder_wide``), against its own ceiling.
+7. phases 2 and 3 with the module at width 256 (``encoder_wide``), against its own ceiling;
+8. the HTTP path alone: a model that costs nothing (``echo_fast``, in a thread), 64
+   connections: what one process's loop answers at most on this machine.
 
-Ratios come from one run; the load generator shares the machine's cores.
+Ratios come from one run; the load generator shares the machine's cores. Each phase also
+reports the CPU it took per answer: the loop (the server's main thread), the model
+(its process, or its thread) and the load generator. Their sum bounds what the machine's
+cores can serve (``cpu_bound_64_vs_ceiling``: that bound over the module's ceiling), so
+a ratio short of a target says whether the cores or the serving fell short.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +42,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_core import batch_seconds, ceiling, serve, summary  # noqa: E402
+from bench_core import (  # noqa: E402
+    batch_seconds,
+    ceiling,
+    cpu_use,
+    serve,
+    summary,
+    thread_seconds,
+)
 
 MODEL = "python:tests.models:encoder"
 WIDE = "python:tests.models:encoder_wide"
@@ -49,20 +65,50 @@ PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     # The same module at width 256: its own cost, not the HTTP path, bounds the server.
     ("wide_thread_64", {"VEGA_MODEL": WIDE, "VEGA_EXECUTOR": "thread"}, 64, "64"),
     ("wide_default_64", {"VEGA_MODEL": WIDE}, 64, "64"),
+    ("http_path_64", {"VEGA_MODEL": "python:tests.models:echo_fast", "VEGA_EXECUTOR": "thread"},
+     64, "64"),
 )
 
 
-def load(port: int, connections: int, seconds: float, lengths: str, out: Path) -> dict[str, Any]:
-    import subprocess
-
-    subprocess.run([sys.executable, "-m", "vega.lab.loadgen", f"http://127.0.0.1:{port}",
-                    "--mode", "closed", "--connections", str(connections),
-                    "--max-connections", str(connections), "--duration-s", str(seconds),
-                    "--lengths", lengths, "--mix", "normal=1", "--deadline-ms", "1000",
-                    "--out", str(out), "--no-progress", "--honor-retry-after"],
-                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=seconds + 120)
+def load(port: int, connections: int, seconds: float, lengths: str, out: Path
+         ) -> tuple[dict[str, Any], float]:
+    """The load generator's report, and the cores it took while it ran (its start-up and
+    report writing left out: sampled from its second second to its last but one)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vega.lab.loadgen", f"http://127.0.0.1:{port}",
+         "--mode", "closed", "--connections", str(connections),
+         "--max-connections", str(connections), "--duration-s", str(seconds),
+         "--lengths", lengths, "--mix", "normal=1", "--deadline-ms", "1000",
+         "--out", str(out), "--no-progress", "--honor-retry-after"],
+        cwd=ROOT, stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(2.0)
+        started, cpu_before = time.monotonic(), process_seconds([proc.pid])
+        time.sleep(max(0.5, seconds - 3.0))
+        cores = (process_seconds([proc.pid]) - cpu_before) / (time.monotonic() - started)
+        if proc.wait(timeout=seconds + 120) != 0:
+            raise RuntimeError(f"the load generator exited with {proc.returncode}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     report: dict[str, Any] = json.loads((out / "report.json").read_text())
-    return report
+    return report, cores
+
+
+def process_seconds(pids: list[int]) -> float:
+    """CPU seconds these processes (the model processes) have taken so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def children(pid: int) -> list[int]:
+    listed = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                            text=True, check=False).stdout
+    return [int(child) for child in listed.split()]
 
 
 def run_phase(port: int, env: dict[str, str], connections: int, lengths: str,
@@ -70,8 +116,11 @@ def run_phase(port: int, env: dict[str, str], connections: int, lengths: str,
     proc = serve(port, **{"VEGA_MODEL": MODEL, **env})
     try:
         status = json.loads(_get(port, "/v1/status"))
+        kids = children(proc.pid)
         busy_before = batch_seconds(port)
-        report = load(port, connections, seconds, lengths, out)
+        threads_before, kids_before = thread_seconds(proc.pid), process_seconds(kids)
+        report, loadgen_cores = load(port, connections, seconds, lengths, out)
+        threads_after, kids_after = thread_seconds(proc.pid), process_seconds(kids)
         busy_after = batch_seconds(port)
     finally:
         proc.terminate()
@@ -83,6 +132,15 @@ def run_phase(port: int, env: dict[str, str], connections: int, lengths: str,
         "length_buckets")
     phase["mean_batch_ms"] = 1000 * (busy_after[0] - busy_before[0]) / batches if batches else None
     phase["refused"] = sum(n for code, n in phase["by_status"].items() if code != "200")
+    answers = sum(phase["by_status"].values())
+    threads = cpu_use(proc.pid, threads_before, threads_after, batches, answers)
+    if answers and threads:
+        model_s = (kids_after - kids_before if kids else
+                   threads["model_cpu_ms_per_batch"] * batches / 1000)
+        phase["cpu_us_per_answer"] = {
+            "loop": round(threads["loop_cpu_us_per_answer"], 1),
+            "model": round(1e6 * model_s / answers, 1),
+            "loadgen": round(1e6 * loadgen_cores * seconds / answers, 1)}
     return phase
 
 
@@ -105,7 +163,15 @@ def ratios(round_: dict[str, Any]) -> dict[str, float]:
         "mixed_planned_vs_fixed_buckets":
             ok["mixed_buckets_64"] / max(ok["mixed_fixed_buckets_64"], 1e-9),
         "ok_1024_vs_64": ok["fixed_default_1024"] / max(ok["fixed_default_64"], 1e-9),
+        "http_path_64_vs_ceiling": ok["http_path_64"] / best,
+        "cpu_bound_64_vs_ceiling": cpu_bound(round_["fixed_default_64"]) / best,
     }
+
+
+def cpu_bound(phase: dict[str, Any]) -> float:
+    """Answers per second the machine's cores could give at this phase's CPU per answer."""
+    per_answer_us = sum(phase.get("cpu_us_per_answer", {}).values())
+    return (os.cpu_count() or 1) * 1e6 / per_answer_us if per_answer_us else float("nan")
 
 
 def main() -> int:
