@@ -19,7 +19,7 @@ from tests.models import echo
 from vega.batcher import Batcher, BatcherConfig
 from vega.channel.client import connect
 from vega.channel.keys import GROUP, dlq_key, done_key, overflow_key, reply_key
-from vega.channel.link import Link
+from vega.channel.link import Link, stop_tasks
 from vega.channel.steal import Thief
 from vega.channel.wire import (
     Overflow,
@@ -85,9 +85,7 @@ class Rig:
         self.tasks = [asyncio.ensure_future(loop()) for loop in loops]
 
     async def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        assert not await stop_tasks(list(self.tasks), timeout_s=10), "a loop did not stop"
         await self.link.cmd.aclose()
         await self.look.aclose()
 
@@ -190,3 +188,17 @@ async def test_a_dead_thief_s_entry_is_put_back_with_the_next_attempt(redis_url:
         assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
     finally:
         await rig.stop()
+
+
+async def test_a_loop_that_lost_its_cancellation_is_cancelled_again() -> None:
+    async def loses_the_first() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # as a blocking redis-py read can lose it
+        await asyncio.sleep(3600)
+
+    task = asyncio.ensure_future(loses_the_first())
+    await asyncio.sleep(0)
+    assert not await stop_tasks([task], timeout_s=5)
+    assert task.cancelled()

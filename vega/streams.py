@@ -27,7 +27,7 @@ from redis import exceptions as rexc
 from vega.admission import PENDING_PER_SPARE
 from vega.channel.client import CONNECTION_ERRORS
 from vega.channel.keys import BLOCK_MS, GROUP, done_key, overflow_key, reply_key
-from vega.channel.link import Link, Models, RunLocal, log_end
+from vega.channel.link import Link, Models, RunLocal, log_end, stop_tasks
 from vega.channel.peers import Peers
 from vega.channel.steal import Thief
 from vega.channel.wire import (
@@ -146,12 +146,11 @@ class Streams:
         tasks = self._tasks + list(self._spawned)
         if self._connecting is not None:
             tasks.append(self._connecting)
-        for task in tasks:  # shutdown, not the hot path: dropping a blocked read is fine
-            task.cancel()
-        if tasks:  # bounded: a stuck close must not keep the process from exiting
-            _, stuck = await asyncio.wait(tasks, timeout=BLOCK_MS / 1000 + self.timeout_s + 1)
-            if stuck:
-                log.warning("%d overflow task(s) did not stop in time", len(stuck))
+        # Shutdown, not the hot path: dropping a blocked read is fine. Bounded: a stuck
+        # close must not keep the process from exiting.
+        stuck = await stop_tasks(tasks, timeout_s=BLOCK_MS / 1000 + self.timeout_s + 1)
+        if stuck:
+            log.warning("%d overflow task(s) did not stop in time", len(stuck))
         await self.heart.leave()
         await self.cmd.aclose()
 

@@ -85,3 +85,19 @@ class Link:
 def log_end(task: asyncio.Future[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("overflow task died: %r", task.exception(), exc_info=task.exception())
+
+
+async def stop_tasks(tasks: list[asyncio.Future[Any]], timeout_s: float) -> set[Any]:
+    """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end; those still running.
+
+    A cancellation can be lost inside redis-py's blocking reads (redis/redis-py#2028):
+    the loop then reads on. So each one still running after a read's length is
+    cancelled again, at whatever it awaits next."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    pending = {task for task in tasks if not task.done()}
+    while pending and loop.time() < end:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(1.0, end - loop.time()))
+    return pending
