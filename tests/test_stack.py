@@ -12,7 +12,7 @@ import orjson
 import pytest
 from starlette.types import Message
 
-from tests.inproc import in_process
+from tests.inproc import app_in_process, in_process
 from tests.models import echo, forwarded, window
 from vega.pressure.cache import ResponseCache
 from vega.runtime import Runtime
@@ -122,13 +122,6 @@ async def test_idempotency_keys_work_on_both_protocols(served: Served, protocol:
 
 
 async def test_a_caller_that_hangs_up_while_sending_its_body_is_counted_as_gone() -> None:
-    from vega.config import load_settings
-    from vega.server import create_app
-
-    app, runtime = create_app(load_settings(environ={"VEGA_WARMUP_BATCHES": "1"}),
-                              [echo("echo")])
-    await runtime.start()
-    await runtime.wait_ready()
     messages: Iterator[Message] = iter([
         {"type": "http.request", "body": V1[:10], "more_body": True}, {"type": "http.disconnect"}])
 
@@ -144,10 +137,8 @@ async def test_a_caller_that_hangs_up_while_sending_its_body_is_counted_as_gone(
              "method": "POST", "scheme": "http", "path": "/v1/infer", "raw_path": b"/v1/infer",
              "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
              "server": ("127.0.0.1", 8000), "headers": [(b"content-type", b"application/json")]}
-    try:
+    async with app_in_process({}, [echo("echo")]) as (app, runtime):
         await app(scope, receive, send)
-    finally:
-        await runtime.stop()
     outcomes = {sample.labels["outcome"]: sample.value
                 for metric in runtime.metrics.requests.collect() for sample in metric.samples
                 if sample.name.endswith("_total")}

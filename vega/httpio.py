@@ -1,7 +1,8 @@
 """Reading requests and writing answers, shared by the /v1 and /v2 routes.
 
 Size-limited body reading, JSON parsing, the priority and deadline rules, the error
-response and the hang-up check. Nothing here knows the runtime.
+response, the inference routes' answer (``Sent``) and the hang-up check. Nothing here
+knows the runtime.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
+from vega.calls import Reply
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.records import NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
@@ -25,6 +27,26 @@ JSON = "application/json"
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status,
                     headers=headers, media_type=JSON)
+
+
+class Sent:
+    """A reply as its two ASGI messages, with the headers a Starlette Response would
+    give it, but none of its machinery: this is the hot path's one answer."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, reply: Reply) -> None:
+        headers = [(b"content-length", str(len(reply.body)).encode())]
+        if reply.body and reply.media_type:
+            headers.append((b"content-type", reply.media_type.encode("latin-1")))
+        headers += [(key.lower().encode("latin-1"), value.encode("latin-1"))
+                    for key, value in reply.headers.items()]
+        self.status, self.headers, self.body = reply.status, headers, reply.body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status,
+                    "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
 
 
 def error_response(error: VegaError) -> Response:
@@ -56,7 +78,7 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise VegaError("payload_too_large", f"body over {limit} bytes")
         chunks.append(chunk)
         if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return b"".join(chunks)  # one chunk comes back as it is, not copied
 
 
 def parse_json(body: bytes) -> Any:
@@ -102,4 +124,3 @@ def hung_up(receive: Receive) -> Callable[[], bool] | None:
     if not isinstance(getattr(cycle, "disconnected", None), bool):
         return None
     return lambda: bool(cycle.disconnected)
-

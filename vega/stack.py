@@ -16,11 +16,10 @@ from typing import Protocol
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import Receive, Scope, Send
 
 from vega.calls import Call, Dialect, Handler, Reply
 from vega.errors import REFUSALS, VegaError
-from vega.httpio import hung_up, read_body
+from vega.httpio import Sent, hung_up, read_body
 from vega.pressure.cache import ResponseCache, cache_key
 from vega.pressure.idempotency import Idempotency
 from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
@@ -107,26 +106,6 @@ class Later(Protocol):
     async def turn(self, request: Request, model: str, body: bytes | None,
                    refused: Reply) -> Reply:
         """The reply instead of ``refused``; ``body`` is None when it was not read."""
-
-
-class Sent:
-    """A reply as its two ASGI messages, with the headers a Starlette Response would
-    give it, but none of its machinery: this is the hot path's one answer."""
-
-    __slots__ = ("status", "headers", "body")
-
-    def __init__(self, reply: Reply) -> None:
-        headers = [(b"content-length", str(len(reply.body)).encode())]
-        if reply.body and reply.media_type:
-            headers.append((b"content-type", reply.media_type.encode("latin-1")))
-        headers += [(key.lower().encode("latin-1"), value.encode("latin-1"))
-                    for key, value in reply.headers.items()]
-        self.status, self.headers, self.body = reply.status, headers, reply.body
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status,
-                    "headers": self.headers})
-        await send({"type": "http.response.body", "body": self.body})
 
 
 class Guard:
