@@ -96,7 +96,7 @@ def load(port: int, connections: int, seconds: float, lengths: str, out: Path
 
 
 def process_seconds(pids: list[int]) -> float:
-    """CPU seconds these processes (the model processes) have taken so far."""
+    """CPU seconds these processes (model processes, the load generator) have taken so far."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in pids:

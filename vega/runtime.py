@@ -394,9 +394,9 @@ async def _await_items(items: list[Item], deadline: float) -> Answer:
     # One future for all items: done when all are, or at the first failure.
     answered: asyncio.Future[Any] = (items[0].future if len(items) == 1 else
                                      asyncio.gather(*(item.future for item in items)))
-    # Woken by the answer or the deadline, whichever comes first: asyncio.wait's work
-    # less its sets, on the hot path. The waiter never holds the answer's exception, so
-    # no traceback of this frame ends up on it (see _as_vega_error).
+    # Woken by the answer or the deadline, whichever comes first, without the sets and
+    # callbacks asyncio.wait builds per call. The waiter never holds the answer's
+    # exception, so no traceback of this frame ends up on it (see _as_vega_error).
     waiter: asyncio.Future[None] = loop.create_future()
     answered.add_done_callback(functools.partial(_wake, waiter))
     timer = loop.call_at(deadline, _wake, waiter, None)
