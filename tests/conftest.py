@@ -7,7 +7,7 @@ import pytest
 
 from tests.servers import VegaProcess
 
-pytest_plugins = ["tests.infra", "tests.netns", "tests.redis_topologies"]
+pytest_plugins = ["tests.infra", "tests.netns", "tests.redis_topologies", "tests.scheduling"]
 
 
 def _starter(logs: Path) -> tuple[Callable[..., VegaProcess], list[VegaProcess]]:

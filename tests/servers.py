@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from tests.forkserver import Forked, ForkServer
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -48,7 +50,7 @@ class VegaProcess:
         self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", NAME]: run on a test host
         self.env = {"VEGA_TORCH_THREADS": "1", "VEGA_WARMUP_BATCHES": "1", **(env or {})}
         self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | Forked | None = None
 
     def start(self, wait_ready: bool = True) -> VegaProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
@@ -56,18 +58,26 @@ class VegaProcess:
         env["VEGA_PORT"] = str(self.port)
         env["VEGA_HOST"] = self.host
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        out = open(self.log_path, "wb") if self.log_path else None
-        try:
-            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "vega", "serve"],
-                                         env=env,
-                                         stdout=out or subprocess.DEVNULL,
-                                         stderr=subprocess.STDOUT, cwd=ROOT)
-        finally:
-            if out is not None:
-                out.close()  # the child has its own copy
+        # A fork shares the fork server's interpreter start-up, so a test that changes
+        # it (PYTHONPATH, a sitecustomize) gets a fresh interpreter.
+        forkable = not self.prefix and not any(k.startswith("PYTHON") for k in self.env)
+        if forkable and os.environ.get("TESTS_FORKSERVER", "1") == "1":
+            self.proc = ForkServer.get().start(["serve"], env, ROOT, self.log_path)
+        else:
+            self.proc = self._popen(env)
         if wait_ready:
             self.wait_ready()
         return self
+
+    def _popen(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        out = open(self.log_path, "wb") if self.log_path else None
+        try:
+            return subprocess.Popen([*self.prefix, sys.executable, "-m", "vega", "serve"],
+                                    env=env, stdout=out or subprocess.DEVNULL,
+                                    stderr=subprocess.STDOUT, cwd=ROOT)
+        finally:
+            if out is not None:
+                out.close()  # the child has its own copy
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
         def ready() -> bool:
@@ -89,8 +99,11 @@ class VegaProcess:
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (drain), then wait; kill if it does not exit in time."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
+        if self.proc is None:
+            return 0
+        code = self.proc.poll()
+        if code is not None:
+            return code
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout_s)

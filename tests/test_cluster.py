@@ -17,6 +17,8 @@ from tests.infra import Nginx, RedisServer
 from tests.models import FAIL_MARK, ledger, tagged, window
 from tests.servers import VegaProcess, metric, wait_until
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 CLUSTER_ENV = {
     "VEGA_MODEL": "python:tests.models:echo", "VEGA_MAX_BATCH_SIZE": "4",
     "VEGA_MAX_WAIT_MS": "2", "VEGA_LENGTH_BUCKETS": "16", "VEGA_HEARTBEAT_MS": "100",
@@ -75,6 +77,7 @@ def pair(shared_redis: RedisServer, vega_module: Callable[..., VegaProcess]
     return a, b
 
 
+@pytest.mark.exclusive
 async def test_skewed_load_overflows_to_the_idle_peer(pair: tuple[VegaProcess, VegaProcess]
                                                       ) -> None:
     a, b = pair
@@ -268,6 +271,7 @@ def default_pair(vega: Callable[..., VegaProcess], redis_url: str
     return a, b
 
 
+@pytest.mark.exclusive
 async def test_at_the_defaults_an_idle_peer_takes_the_work_before_anyone_is_refused(
         redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
     # 12 callers keep 12 items queued at A: 120 ms of A's own work, past the 100-ms
@@ -327,6 +331,7 @@ async def test_a_peer_killed_mid_load_stops_counting_within_a_heartbeat_ttl(
     assert metric(a, "vega_requests_total") == 200  # none lost, none answered twice
 
 
+@pytest.mark.exclusive
 async def test_equal_load_through_nginx_does_not_bounce_batches(
         redis_server: RedisServer, vega: Callable[..., VegaProcess],
         nginx: Callable[[Sequence[str]], Nginx], tmp_path: Path) -> None:

@@ -22,6 +22,8 @@ from tests.models import window
 from tests.servers import ROOT, VegaProcess, free_port, wait_until
 from vega.metrics import Metrics
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 PROMETHEUS_CONF = ROOT / "conf" / "prometheus"
 RULES = PROMETHEUS_CONF / "vega-rules.yml"
 DASHBOARD = ROOT / "conf" / "grafana" / "vega.json"

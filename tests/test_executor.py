@@ -23,6 +23,8 @@ from vega.modelproc import ProcessPlan
 from vega.models import SequenceModel, load_model
 from vega.records import Batch, Item
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 ENCODER = "python:tests.models:encoder"
 ECHO = "python:tests.models:echo"
 

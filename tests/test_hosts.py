@@ -24,6 +24,8 @@ from tests.test_cluster import (
     send,
 )
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 REDIS_PORT = 6390
 PASSWORD = "vega-test-password"
 Cluster = tuple[Hosts, Callable[..., VegaProcess], str]

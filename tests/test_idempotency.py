@@ -18,6 +18,8 @@ from vega.errors import VegaError
 from vega.metrics import Metrics
 from vega.pressure.idempotency import Idempotency, fingerprint
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 ECHO = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_LENGTH_BUCKETS": "16"}
 OK = Reply(200, b'{"outputs":[1]}', {}, "ok")
 

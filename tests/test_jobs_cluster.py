@@ -17,6 +17,8 @@ from tests.infra import RedisServer, require
 from tests.models import ledger, tagged
 from tests.servers import VegaProcess, metric, wait_until
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 
 @dataclass
 class Pair:
@@ -102,6 +104,7 @@ def kill_a_holder_and_finish_through_b(a: VegaProcess, b: VegaProcess, book: str
     assert metric(b, "vega_jobs_reclaimed_total", model="echo") >= 1  # A's, taken over
 
 
+@pytest.mark.exclusive
 def test_jobs_held_by_a_killed_process_are_finished_by_the_other_none_twice(pair: Pair) -> None:
     kill_a_holder_and_finish_through_b(pair.a, pair.b, pair.ledger)
     status = httpx.get(pair.b.url + "/v1/status", timeout=5).json()["models"]["echo"]["jobs"]

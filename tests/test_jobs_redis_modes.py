@@ -37,6 +37,8 @@ from vega.models import ModelAdapter
 from vega.runtime import Runtime
 from vega.server import create_app
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 MODELS = ("echo", "sensor")  # their hash tags fall in different thirds of the slots
 # On two shared CPUs a 100 ms command can time out, and after a timeout the cluster
 # client drops the node's idle connections under commands starting on them.
@@ -186,6 +188,7 @@ def test_a_job_submitted_to_one_process_is_answered_by_the_other_on_the_cluster(
     assert Counter(ledger(pair.ledger))[1001] == 1
 
 
+@pytest.mark.exclusive
 def test_jobs_held_by_a_killed_process_are_finished_by_the_other_on_the_cluster(
         pair: Pair) -> None:
     kill_a_holder_and_finish_through_b(pair.a, pair.b, pair.ledger)

@@ -11,9 +11,12 @@ from collections.abc import Callable
 
 import httpx
 import orjson
+import pytest
 
 from tests.models import window
 from tests.servers import VegaProcess, metric, wait_until
+
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
 
 BODY = orjson.dumps({"inputs": window(16)})
 
@@ -29,6 +32,18 @@ async def fire(url: str, bodies: list[bytes], headers: list[dict[str, str]] | No
             except httpx.HTTPError as error:
                 return error
         return list(await asyncio.gather(*(one(i) for i in range(len(bodies)))))
+
+
+async def admitted(server: VegaProcess, count: int, timeout_s: float = 30) -> None:
+    """Until ``count`` requests are open or answered (polled, so a busy machine only waits)."""
+    end = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            status = (await client.get(server.url + "/v1/status")).json()
+            if status["active_requests"] + sum(status["outcomes"].values()) >= count:
+                return
+            assert asyncio.get_running_loop().time() < end, f"{count} requests not admitted"
+            await asyncio.sleep(0.02)
 
 
 def codes(responses: list[httpx.Response | Exception]) -> Counter[str]:
@@ -123,10 +138,11 @@ async def test_drain_on_sigterm_answers_everything_admitted(
                   # This queue stands for 1.5 s on purpose; keep it from being shed as stale.
                   VEGA_CODEL_INTERVAL_MS="60000")
     load = asyncio.create_task(fire(server.url, [BODY] * 40))
-    await asyncio.sleep(0.5)  # the load is admitted and queued
+    await admitted(server, 40)  # all of the load is in before the signal
     server.signal(signal.SIGTERM)
     await asyncio.sleep(0.1)
-    during = httpx.post(server.url + "/v1/infer", content=BODY)
+    async with httpx.AsyncClient(timeout=10) as client:
+        during = await client.post(server.url + "/v1/infer", content=BODY)
     assert during.status_code == 503 and during.json()["error"]["code"] == "draining"
     assert int(during.headers["retry-after"]) >= 1
     assert httpx.get(server.url + "/readyz").status_code == 503

@@ -37,6 +37,8 @@ from vega.channel.url import CLUSTER, SENTINEL, STANDALONE, parse_redis_url
 from vega.config import ConfigError, load_settings
 from vega.runtime import Runtime
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 # -- the setting ---------------------------------------------------------------------
 
 
@@ -102,6 +104,7 @@ async def test_heartbeats_and_the_node_registry_work_across_the_cluster_s_slots(
         await client.aclose()
 
 
+@pytest.mark.exclusive
 async def test_a_hand_off_nobody_takes_is_taken_back_through_the_cluster(
         runtime: Runtime) -> None:
     # The origin's timer and its take-back script answer, with keys on several primaries.
@@ -127,6 +130,7 @@ def cluster_pair(redis_cluster: Cluster, vega_module: Callable[..., VegaProcess]
     yield a, b, logs
 
 
+@pytest.mark.exclusive
 async def test_skewed_load_overflows_between_two_processes_on_the_cluster(
         cluster_pair: tuple[VegaProcess, VegaProcess, list[str]]) -> None:
     a, b, _ = cluster_pair

@@ -17,6 +17,8 @@ from tests.books import NOT_ACCEPTED, Books, Planned, offer, steady
 from tests.models import FAIL_MARK, ledger, tagged, window
 from tests.servers import VegaProcess
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 ALL_CLASSES = ("sheddable", "normal", "sheddable", "critical", "sheddable", "normal")
 
 
@@ -94,6 +96,7 @@ async def test_sigterm_during_load_loses_nothing(ledgered: Callable[..., VegaPro
     assert server.proc is not None and server.proc.wait(30) == 0
 
 
+@pytest.mark.exclusive
 async def test_model_failures_and_hangs_are_answered_and_isolated(
         ledgered: Callable[..., VegaProcess], tmp_path: Path) -> None:
     server = ledgered(TEST_SLEEP_MS="5", TEST_HANG_MS="1500", VEGA_MAX_BATCH_SIZE="8")

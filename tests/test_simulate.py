@@ -20,6 +20,8 @@ from vega.config import load_settings
 from vega.lab import loadgen, profile, simclock, simulate, traffic
 from vega.lab.profile import LatencyModel
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 PROFILE: dict[str, Any] = {  # 2 ms + 0.25 ms per item, whatever the length
     "model": "fake", "buckets": [16, 512], "sizes": [1, 32],
     "seconds": {str(b): {"1": {"p50": 0.00225, "p90": 0.0025},
@@ -147,6 +149,7 @@ def test_token_bucket_refusals_show_up() -> None:
     assert outcomes(report).get("429 rate_limited", 0) > 500
 
 
+@pytest.mark.exclusive
 def test_two_processes_serve_twice_as_much() -> None:
     plan = arrivals(rate=4 * CAPACITY, duration_s=1.0)
     one, two = run_sim(plan), run_sim(plan, processes=2)
@@ -300,6 +303,7 @@ def within(sim: float, real: float, rel: float, abs_: float = 0.0) -> bool:
     return abs(sim - real) <= max(rel * abs(real), abs_)
 
 
+@pytest.mark.exclusive
 async def test_simulator_matches_a_real_burst(vega: Callable[..., VegaProcess],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A scaled burst, sent for real by the load generator and replayed in the simulator.
@@ -366,6 +370,7 @@ PAIR_TRAFFIC = {  # to A only: 100/s (A's own capacity), then 300/s for 2 s, the
 }
 
 
+@pytest.mark.exclusive
 async def test_simulator_matches_a_real_pair_with_all_traffic_to_one(
         vega: Callable[..., VegaProcess], redis_server: RedisServer,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,8 @@ import pytest
 
 from tests.infra import require
 
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
