@@ -45,12 +45,21 @@ def test_precedence_defaults_env_file_environment_flags(tmp_path: Path) -> None:
     ({"VEGA_SHED_WATERMARK": "0.95"}, "VEGA_SHED_WATERMARK"),
     ({"VEGA_MAX_WAIT_MS": "nan"}, "VEGA_MAX_WAIT_MS"),
     ({"VEGA_PORTT": "1"}, "VEGA_PORTT: unknown setting"),
+    ({"VEGA_MODEL_CPUS": "1-0"}, "VEGA_MODEL_CPUS='1-0'"),
+    ({"VEGA_MODEL_CPUS": "4096"}, "VEGA_MODEL_CPUS='4096'"),
+    ({"VEGA_MODEL_CPUS": "one"}, "VEGA_MODEL_CPUS='one'"),
 ])
 def test_bad_values_name_the_setting_and_what_is_allowed(env: dict[str, str], named: str) -> None:
     with pytest.raises(ConfigError) as caught:
         load_settings(environ=env)
     assert named in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_model_cpus_read_as_a_cpu_list() -> None:
+    assert load_settings(environ={}).model_cpus == ()
+    assert load_settings(environ={"VEGA_MODEL_CPUS": " 0 "}).model_cpus == (0,)
+    assert load_settings(environ={"VEGA_MODEL_CPUS": "0,0-0"}).model_cpus == (0,)
 
 
 def test_redis_password_is_masked_everywhere() -> None:

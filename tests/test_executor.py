@@ -170,6 +170,24 @@ def test_auto_runs_an_eager_module_in_a_process_and_torchscript_in_a_thread(
     assert httpx.get(builtin.url + "/v1/status", timeout=5).json()["executor"]["kind"] == "thread"
 
 
+def cpus_of(pid: int) -> set[frozenset[int]]:
+    """The CPU sets of every thread of process ``pid``."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_model_cpus_pin_the_model_process_and_keep_the_loop_off_them(
+        vega: Callable[..., VegaProcess]) -> None:
+    if (os.cpu_count() or 1) < 2 or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("pinning needs two CPUs")
+    model_cpu = max(os.sched_getaffinity(0))
+    server = vega(VEGA_MODEL=ENCODER, VEGA_MODEL_CPUS=str(model_cpu))
+    assert infer(server.url).status_code == 200
+    child = httpx.get(server.url + "/v1/status", timeout=5).json()["executor"]["pids"][0]
+    assert server.proc is not None
+    assert cpus_of(child) == {frozenset({model_cpu})}  # torch's threads included
+    assert cpus_of(server.proc.pid) == {frozenset(os.sched_getaffinity(0)) - {model_cpu}}
+
+
 async def test_a_freed_thread_gets_the_held_batch_before_the_answers_are_handled() -> None:
     """With the real executor: the batch held while the thread was busy is dispatched in
     the finished batch's own callback, ahead of the handlers that batch wakes; queued

@@ -102,6 +102,18 @@ def _buckets(raw: str) -> tuple[int, ...]:
     return bounds
 
 
+def _cpus(raw: str) -> tuple[int, ...]:
+    """A Linux CPU list ("1", "2-3", "0,2"), each CPU one this machine has; empty = none."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        first, _, last = part.partition("-")
+        lo, hi = int(first), int(last or first)
+        if lo < 0 or hi < lo or hi >= (os.cpu_count() or 1):
+            raise ValueError
+        cpus.update(range(lo, hi + 1))
+    return tuple(sorted(cpus))
+
+
 def _redis_url(raw: str) -> str:
     value = raw.strip()
     if value:
@@ -163,6 +175,9 @@ class Settings:
         "(fed through shared memory, so an eager module's Python does not contend with "
         "the event loop for the GIL); auto = process for an eager torch module, thread "
         "for TorchScript and other adapters.")
+    model_cpus: tuple[int, ...] = setting("", _cpus, "a CPU list such as 1 or 2-3, or empty",
+        "CPUs the model processes run on; the rest of this process keeps off them, so the "
+        "event loop never preempts the model. Empty = no pinning. Only with model processes.")
     model_timeout_s: float = setting("30", _float(0.01, 3600), "a number 0.01-3600",
         "A batch running longer in a model process is taken to hang: the process is "
         "killed and restarted, that batch answered 500 model_error.")

@@ -25,6 +25,7 @@ import numpy as np
 from vega.config import Settings, length_bounds
 from vega.errors import VegaError
 from vega.modelproc import ModelProcess, ProcessPlan
+from vega.modelproc.affinity import keep_off
 from vega.modelproc.slot import ALIGN
 from vega.models import ModelAdapter, runs_eagerly
 from vega.models.loader import ModelLoadError
@@ -69,7 +70,8 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
                  for bound in length_bounds(s.length_buckets, adapter.max_length)
                  for size in sorted({1, top}))
     return ProcessPlan(specs=specs, device=s.device, torch_threads=s.torch_threads,
-                       slot_bytes=slot_bytes, timeout_s=s.model_timeout_s, warm_shapes=warm)
+                       slot_bytes=slot_bytes, timeout_s=s.model_timeout_s, warm_shapes=warm,
+                       cpus=s.model_cpus)
 
 
 class Runner(Protocol):
@@ -117,6 +119,10 @@ class Executor:
                 self._pool.submit(adapter.load, device).result()
             return
         plan = dataclasses.replace(self._plan, device=device)
+        if plan.cpus:
+            mine = keep_off(plan.cpus)
+            log.info("model processes on CPU(s) %s, this process on %s",
+                     ",".join(map(str, plan.cpus)), ",".join(map(str, sorted(mine))))
         for index in range(self.threads):
             process = ModelProcess(plan, index)
             self.processes.append(process)

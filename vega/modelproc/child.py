@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from vega.modelproc import slot
+from vega.modelproc.affinity import pin_process
 
 log = logging.getLogger("vega.modelproc")
 
@@ -35,6 +36,7 @@ class ChildConfig:
     torch_threads: int
     slot_bytes: int
     warm_shapes: tuple[tuple[str, int, int], ...] = ()  # (model, length, size) untimed passes
+    cpus: tuple[int, ...] = ()  # run only on these (VEGA_MODEL_CPUS); empty = anywhere
 
 
 def main(argv: list[str]) -> int:
@@ -47,7 +49,10 @@ def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     raw = orjson.loads(conn.recv_bytes())
     config = ChildConfig(**{**raw, "specs": tuple(tuple(s) for s in raw["specs"]),
-                            "warm_shapes": tuple(tuple(w) for w in raw["warm_shapes"])})
+                            "warm_shapes": tuple(tuple(w) for w in raw["warm_shapes"]),
+                            "cpus": tuple(raw["cpus"])})
+    if config.cpus:
+        pin_process(config.cpus)  # before torch starts its threads
     buffer = memoryview(mmap.mmap(int(argv[1]), config.slot_bytes))  # freed at exit
     try:
         models = _load(config)

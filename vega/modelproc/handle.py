@@ -47,6 +47,7 @@ class ProcessPlan:
     timeout_s: float  # a batch running longer is taken to hang
     start_timeout_s: float = 300.0
     warm_shapes: tuple[tuple[str, int, int], ...] = ()  # run after a restart, before ready
+    cpus: tuple[int, ...] = ()  # VEGA_MODEL_CPUS: where the child runs; empty = anywhere
 
 
 class ModelProcess:
@@ -110,7 +111,7 @@ class ModelProcess:
         plan = self.plan
         config = ChildConfig(specs=plan.specs, device=plan.device,
                              torch_threads=plan.torch_threads, slot_bytes=plan.slot_bytes,
-                             warm_shapes=plan.warm_shapes if warm else ())
+                             warm_shapes=plan.warm_shapes if warm else (), cpus=plan.cpus)
         ours, theirs = socket.socketpair()
         # The child imports the models as this process did: same path, same directory.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
