@@ -6,8 +6,9 @@ so a module's servers start once). Two rules keep that both fast and honest:
 - Modules marked ``slow`` are handed out first, so the last minute of the run is not
   one long module running alone while the other workers idle (``--no-loadscope-reorder``
   keeps this order; xdist would hand out the modules with the most tests first). Of
-  those, the ones without an exclusive test go first: a long test (the soak) then
-  runs while no exclusive test waits for it to end, holding every worker back.
+  those, ``slow(first=True)`` goes first (the soak: one long test), then the ones
+  without an exclusive test: long shared tests then run while no exclusive test waits
+  for them to end, holding every worker back.
 - A test marked ``exclusive`` (a claim that holds only on cores nobody else is using: a
   load that the server must carry without refusals, a process killed while it holds
   work, a simulator matched against a real run) waits until no other test runs, and
@@ -40,7 +41,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow modules first, those without exclusive tests before those with; each module's
     tests still together and in order."""
     waiting = {item.path for item in items if item.get_closest_marker("exclusive")}
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.path in waiting))
+
+    def order(item: pytest.Item) -> tuple[bool, bool, bool]:
+        slow = item.get_closest_marker("slow")
+        return slow is None, not (slow and slow.kwargs.get("first")), item.path in waiting
+
+    items.sort(key=order)
 
 
 def pytest_configure(config: pytest.Config) -> None:

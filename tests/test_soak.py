@@ -10,7 +10,7 @@ import pytest
 
 from tests.infra import require
 
-pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
+pytestmark = pytest.mark.slow(first=True)  # the longest test: no exclusive test waits on it
 
 ROOT = Path(__file__).resolve().parent.parent
 
