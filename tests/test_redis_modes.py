@@ -104,7 +104,7 @@ async def test_heartbeats_and_the_node_registry_work_across_the_cluster_s_slots(
         await client.aclose()
 
 
-@pytest.mark.exclusive
+@pytest.mark.exclusive  # the take-back must run within the item's 300-ms deadline
 async def test_a_hand_off_nobody_takes_is_taken_back_through_the_cluster(
         runtime: Runtime) -> None:
     # The origin's timer and its take-back script answer, with keys on several primaries.

@@ -177,5 +177,6 @@ async def check_an_unclaimed_hand_off_is_taken_back(runtime: Runtime) -> None:
     assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 1
 
 
+@pytest.mark.exclusive  # the take-back must run within the item's 300-ms deadline
 async def test_a_hand_off_nobody_takes_is_taken_back_and_run_locally(runtime: Runtime) -> None:
     await check_an_unclaimed_hand_off_is_taken_back(runtime)
