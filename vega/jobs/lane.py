@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vega.batcher import Batcher
+from vega.channel.link import stop_tasks
 from vega.config import Settings
 from vega.jobs.redis_store import RedisStore, StoreError
 from vega.jobs.runner import STORE_ERRORS, JobRunner
@@ -70,10 +71,11 @@ class JobLane:
         self.taking.clear()
         for runner in self.runners.values():
             await runner.settle(SETTLE_S)
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:  # bounded: a blocked read must not keep the process from exiting
-            await asyncio.wait(self._tasks, timeout=2)
+        # Bounded, and cancelled again while still running: redis-py can lose a cancellation
+        # inside a blocking read, and a read must not keep the process from exiting.
+        stuck = await stop_tasks(list(self._tasks), timeout_s=2)
+        if stuck:
+            log.warning("job lane: %d task(s) did not stop in time", len(stuck))
         try:
             await self.store.close()
         except STORE_ERRORS:
