@@ -177,7 +177,7 @@ class Settings:
         "for TorchScript and other adapters.")
     model_cpus: tuple[int, ...] = setting("", _cpus, "a CPU list such as 1 or 2-3, or empty",
         "CPUs the model processes run on; the rest of this process keeps off them, so the "
-        "event loop never preempts the model. Empty = no pinning. Only with model processes.")
+        "event loop does not preempt the model. Empty = no pinning. Only with model processes.")
     model_timeout_s: float = setting("30", _float(0.01, 3600), "a number 0.01-3600",
         "A batch running longer in a model process is taken to hang: the process is "
         "killed and restarted, that batch answered 500 model_error.")
