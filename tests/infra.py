@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -21,16 +22,19 @@ from tests.servers import free_port, wait_until
 from vega.lab.cluster import render_nginx
 
 
-def require(*programs: str) -> None:
-    """Skip when a program the test starts is missing, except in CI, which installs them
-    (scripts/system-deps): there a missing program is a broken setup, so the test fails."""
-    missing = [name for name in programs if shutil.which(name) is None]
-    if not missing:
-        return
-    why = f"{', '.join(missing)} not installed (scripts/system-deps installs it)"
+def unavailable(why: str) -> NoReturn:
+    """Skip a test this machine cannot run, except in CI, whose machines can run them all:
+    there a missing part is a broken setup, so the test fails."""
     if os.environ.get("CI") == "true":
         pytest.fail(why)
     pytest.skip(why)
+
+
+def require(*programs: str) -> None:
+    """Skip (fail in CI) when a program the test starts is missing."""
+    missing = [name for name in programs if shutil.which(name) is None]
+    if missing:
+        unavailable(f"{', '.join(missing)} not installed (scripts/system-deps installs it)")
 
 
 def _answers(port: int) -> bool:

@@ -35,6 +35,7 @@ from typing import IO
 import pytest
 
 LOCKS_ENV = "TESTS_EXCLUSIVE_LOCKS"  # not VEGA_*: Settings refuses names it does not know
+_made = pytest.StashKey[str]()  # the lock folder, in the controller that made it
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -63,9 +64,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if made is not None:
         shutil.rmtree(made, ignore_errors=True)
         os.environ.pop(LOCKS_ENV, None)
-
-
-_made = pytest.StashKey[str]()
 
 
 @pytest.hookimpl(wrapper=True)
