@@ -265,10 +265,11 @@ class Batcher(Queues):
 
         The batch serving the most items per second of model time goes first, so cheap
         windows wait behind no expensive ones; an item passed over for two of its own
-        batches' time, or half the CoDel interval at most, goes before those, oldest first.
+        batches' time, or a quarter of the CoDel interval at most (so that its batch ends
+        before a standing queue would shed it), goes before those, oldest first.
         """
         size = self.config.max_batch_size
-        overdue_s = min(2 * self.times.predict(bucket, size), self.config.standing_after_s / 2)
+        overdue_s = min(2 * self.times.predict(bucket, size), self.config.standing_after_s / 4)
         if now - oldest > overdue_s:
             return (0, oldest)
         shares = self._shares(bucket)

@@ -111,7 +111,7 @@ async def test_a_passed_over_item_goes_first_before_a_standing_queue_would_shed_
     # the CoDel interval (0.1 s), after which a standing queue sheds a waiting item.
     batcher, sink = held({0: (0.001, 0.0001), 1: (0.001, 0.0005), 2: (0.001, 0.1)})
     old = item(batcher, length=300)
-    old.enqueued_at -= 0.06  # past half the interval
+    old.enqueued_at -= 0.03  # past a quarter of the interval: two batches still fit in it
     item(batcher, length=10)
     batch = await formed_once(batcher, sink)
     assert [i.length for i in batch.items] == [300]
