@@ -55,6 +55,20 @@ def test_the_line_follows_the_last_window_of_batches() -> None:
     assert times.predict(0, 16) == pytest.approx(2 * (0.002 + 0.0016))
 
 
+def test_a_line_tilted_by_one_noisy_partial_batch_is_not_trusted() -> None:
+    # Full batches at 12 ms and one partial batch that ran fast: the least-squares slope
+    # is 4 ms an item (a fixed cost of -116 ms), and 20 queued items would be predicted
+    # at 80 ms, most of a CoDel interval, where they cost less than a full batch.
+    times = BatchTimes(1)
+    for _ in range(30):
+        times.observe(0, 32, 0.012)
+    times.observe(0, 31, 0.008)
+    line = times.line(0)
+    assert line is not None and line.fixed_s >= 0
+    assert times.drain_s([20], max_size=32) < times.predict(0, 32)
+    assert times.predict(0, 32) == pytest.approx(0.012, rel=0.02)
+
+
 def test_nothing_measured_predicts_nothing() -> None:
     times = BatchTimes(2)
     assert times.predict(1, 32) == 0.0 and not times.measured()

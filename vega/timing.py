@@ -88,9 +88,13 @@ def _fit(samples: deque[tuple[int, float]]) -> Line:
     if var_x == 0:
         return Line(0.0, mean_y / mean_x)
     slope = sum((size - mean_x) * (seconds - mean_y) for size, seconds in samples) / var_x
-    if slope <= 0:  # noise; a batch never gets cheaper with more items
+    fixed = mean_y - slope * mean_x
+    # Noise, either way: a batch never gets cheaper with more items, and never costs less
+    # than nothing to start. When nearly every batch is full the sizes barely vary, and one
+    # noisy partial batch tilts the line until a queued item costs many times its share.
+    if slope <= 0 or fixed < 0:
         return Line(0.0, mean_y / mean_x)
-    return Line(mean_y - slope * mean_x, slope)
+    return Line(fixed, slope)
 
 
 class ServiceRate:
