@@ -27,7 +27,7 @@ import pytest
 from tests.models import FAIL_MARK, echo, ledger, tagged, window
 from tests.redis_topologies import Cluster, SentinelSet, spread
 from tests.servers import VegaProcess, wait_until
-from tests.test_jobs import BASE, submit, until_final
+from tests.test_jobs import BASE, settled, submit, until_final
 from tests.test_jobs_cluster import job, kill_a_holder_and_finish_through_b
 from tests.test_jobs_cluster import submit as submit_to
 from vega.channel.client import connect
@@ -121,6 +121,7 @@ async def test_an_idempotency_key_makes_one_job_on_the_cluster(redis_cluster: Cl
         assert other.status_code == 422
         final = await until_final(client, answers[0].json()["id"])
         assert final["status"] == "done"
+        await settled(runtime)
         assert runtime.jobs.counts["echo"]["done"] == 1
         held = [key async for key in look.scan_iter(match="vega:{echo}:jobs:idem:*")]
         assert len(held) >= 1  # the key's record, on the cluster
