@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vega.timing import BatchTimes, LoopLag, ServiceRate
+from vega.timing import BatchTimes, ServiceRate
 
 
 def seeded(lines: dict[int, tuple[float, float]], buckets: int) -> BatchTimes:
@@ -84,15 +84,3 @@ def test_service_rate_counts_every_thread_over_a_sliding_window() -> None:
     assert rate.items_per_s == pytest.approx(200.0) and rate.cost_per_s == pytest.approx(400.0)
     rate.observe(items=30, cost=30.0, seconds=0.1)  # the first batch leaves the window
     assert rate.items_per_s == pytest.approx(2 * 40 / 0.2)
-
-
-def test_the_loop_lag_follows_late_wakes_and_ignores_early_ones() -> None:
-    lag = LoopLag(gain=0.5)
-    lag.woke(None, 5.0)  # no timer: woken by an event
-    lag.woke(2.0, 1.0)  # woken by an event before its timer was due
-    assert lag.mean_s == 0.0
-    for _ in range(20):
-        lag.woke(1.0, 1.004)
-    assert lag.mean_s == pytest.approx(0.004)
-    lag.woke(1.0, 1.0)  # on time: the mean comes down
-    assert lag.mean_s == pytest.approx(0.002)

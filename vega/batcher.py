@@ -25,18 +25,17 @@ from vega.config import Settings, length_bounds
 from vega.errors import VegaError
 from vega.queues import Queues, first_live
 from vega.records import CRITICAL, JOB, PRIORITY_NAMES, Batch, Item
-from vega.timing import BatchTimes, LoopLag, ServiceRate
+from vega.timing import BatchTimes, ServiceRate
 
 log = logging.getLogger("vega.batcher")
 
-# While every thread is busy, the next full batch is formed FORM_AHEAD of the freeing
-# batch's predicted time before it ends (at least FORM_AHEAD_MIN_S: the loop's clock ticks in
-# ms), plus LAG_MARGIN times how late the loop has lately run its timers. Formed earlier it
-# waits out the running batch while fresher items queue behind it; later, the thread idles.
-# The lead is the freeing batch's, not the candidate's, or long buckets always fall due first.
+# While every thread is busy, the next full batch is formed shortly before a thread is
+# predicted to free: FORM_AHEAD of the freeing batch's predicted time ahead, at least
+# FORM_AHEAD_MIN_S (the loop's clock ticks in ms). Formed earlier it waits out the running
+# batch while fresher items queue behind it; formed later the thread sits idle. The lead
+# is the freeing batch's, not the candidate's, or long buckets always fall due first.
 FORM_AHEAD = 0.3
 FORM_AHEAD_MIN_S = 0.002
-LAG_MARGIN = 2.0
 
 INLINE, JOBS = slice(0, JOB), slice(JOB, JOB + 1)
 
@@ -82,7 +81,6 @@ class Batcher(Queues):
         self.config = config
         self.times = BatchTimes(len(config.buckets))
         self.rate = ServiceRate(config.parallelism)
-        self.lag = LoopLag()
         self._sink = sink
         self._on_batch_done = on_batch_done
         self._wake = asyncio.Event()
@@ -162,7 +160,8 @@ class Batcher(Queues):
         self._wake.set()
 
     def _maybe_idle(self) -> None:
-        # Set only when truly idle: a drain must not wake for a batch formed, not dispatched.
+        # Only ever set when truly idle, so a drain waiting on it cannot wake early
+        # for a batch that is formed but not yet dispatched.
         if not any(self._depth) and not self._inflight:
             self._idle.set()
 
@@ -179,25 +178,25 @@ class Batcher(Queues):
         """Form and dispatch batches until cancelled."""
         loop = asyncio.get_running_loop()
         self._running = True
-        due, woke = None, 0.0
         try:
             while True:
                 self._wake.clear()
                 wake_at = self.pump()
-                self.lag.woke(due, woke)  # after the pump it timed: a wake on time would delay it
                 timer = loop.call_at(wake_at, self._wake.set) if wake_at is not None else None
                 try:
                     await self._wake.wait()
                 finally:
                     if timer is not None:
                         timer.cancel()
-                due, woke = wake_at, loop.time()
         finally:
             self._running = False  # stopped: a batch that finishes now starts no other
 
     def pump(self) -> float | None:
-        """Dispatch every batch due now; return when one next falls due by waiting (None: by
-        no time, an event wakes the loop). Synchronous: ``_finished`` starts the next at once."""
+        """Dispatch every batch that is due now; return when one next falls due by waiting.
+
+        Synchronous, so a finished batch's callback can start the next one at once
+        (see ``_finished``). None: nothing falls due by time alone; an event wakes the loop.
+        """
         loop = asyncio.get_running_loop()
         while len(self._inflight) < self.config.max_inflight:
             now = loop.time()
@@ -373,8 +372,10 @@ class Batcher(Queues):
                     taken += 1
 
     def _sweep_stale(self, bucket: int, now: float) -> None:
-        """Answer non-critical items that waited past the interval at the old end: serving
-        newest first leaves them at the front, holding their places until their deadline."""
+        """Answer non-critical items that waited past the interval at the old end.
+
+        Serving newest first leaves the oldest at the front; without this they would
+        hold their places (and make the bucket look oldest) until their deadline."""
         oldest_allowed = now - self.config.standing_after_s
         for priority, queue in enumerate(self._queues[bucket][:JOB]):
             if priority == CRITICAL:
@@ -413,8 +414,7 @@ class Batcher(Queues):
         if run is None:
             return now
         start, end = run
-        lead = max(FORM_AHEAD_MIN_S, FORM_AHEAD * (end - start)) + LAG_MARGIN * self.lag.mean_s
-        return end - lead
+        return end - max(FORM_AHEAD_MIN_S, FORM_AHEAD * (end - start))
 
     def _dispatch(self, batch: Batch) -> None:
         now = asyncio.get_running_loop().time()

@@ -1,4 +1,4 @@
-"""Measured batch times: a predictor per length bucket, the service rate, the loop's lag.
+"""Measured batch times: a predictor per length bucket and the service rate.
 
 Rule 2 of DESIGN.md: predict batch time per (length bucket, batch size) from recent
 measurements, never from a constant. Each bucket keeps its last ``window`` batches
@@ -125,20 +125,3 @@ class ServiceRate:
     @property
     def cost_per_s(self) -> float:
         return self.parallelism * self._cost / self._seconds if self._seconds > 0 else 0.0
-
-
-class LoopLag:
-    """How late the event loop has lately run a timer: a mean moving by ``gain`` per wake.
-
-    A loop busy with a flood of connections runs every timer late: work timed to start
-    shortly before a thread frees has to start that much earlier or the thread waits.
-    """
-
-    def __init__(self, gain: float = 0.125) -> None:
-        self.gain = gain
-        self.mean_s = 0.0
-
-    def woke(self, due: float | None, now: float) -> None:
-        """A wake at ``now`` for a timer due at ``due`` (None, or later: woken by an event)."""
-        if due is not None and now >= due:
-            self.mean_s += self.gain * (now - due - self.mean_s)
