@@ -29,12 +29,23 @@ def test_decode_accepts_windows_and_reports_length(sensor: SequenceModel) -> Non
 @pytest.mark.parametrize("instance", [
     [], "abc", [[1.0] * 7], [[1.0] * 8, [1.0]], [[None] * 8], [[{"a": 1}] * 8],
     [[10 ** 400] * 8], [[1e39] * 8], [[[1.0] * 8]], [[1.0] * 8] * 513,
+    [[float("nan")] * 8], [[1.0] * 8] * 300 + [[-float("inf")] + [1.0] * 7],
+    [[1.0] * 8] * 300 + [[1.0] * 7 + [-1e39]],  # past the first block converted
 ])
 def test_decode_refuses_bad_instances_with_invalid_input(sensor: SequenceModel,
                                                          instance: object) -> None:
     with pytest.raises(VegaError) as caught:
         sensor.decode(instance)
     assert caught.value.code == "invalid_input"
+
+
+@pytest.mark.parametrize("length", [1, 62, 63, 300, 512])
+def test_decode_converts_every_block_of_a_long_window(sensor: SequenceModel, length: int) -> None:
+    window = np.random.default_rng(length).standard_normal((length, 8)) * 1e30
+    sample, _ = sensor.decode(window.tolist())
+    np.testing.assert_array_equal(sample, window.astype(np.float32))
+    as_float32 = window.astype(np.float32)
+    assert sensor.decode(as_float32)[0] is as_float32  # already float32: checked, not copied
 
 
 def test_outputs_do_not_depend_on_batch_mates(sensor: SequenceModel) -> None:

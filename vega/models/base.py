@@ -117,11 +117,7 @@ class SequenceModel:
         length = array.shape[0]
         if not 1 <= length <= self.max_length:
             raise invalid_input(f"window length {length} outside 1..{self.max_length}")
-        with np.errstate(over="ignore"):
-            array = array.astype(np.float32, copy=False)
-        if not np.isfinite(array).all():
-            raise invalid_input("instance holds NaN, Inf or a number too large for float32")
-        return array, length
+        return finite_float32(array), length
 
     def example(self, length: int) -> Any:
         rng = np.random.default_rng(length)
@@ -181,6 +177,27 @@ def _scripted(module: Any, name: str) -> Any:
     except Exception as error:  # torch raises many types for code it cannot compile
         log.warning("model %s runs eagerly; TorchScript failed: %s", name, error)
         return module
+
+
+# numpy lets go of the GIL for a loop over more than 500 elements. On the event loop each
+# release hands the GIL to the executor thread and back: a window's cast and check done
+# in one piece cost the loop up to a third of its CPU per request (docs/bench.md).
+HELD_ELEMENTS = 500
+
+
+def finite_float32(array: np.ndarray) -> np.ndarray:
+    """A 2-D numeric ``array`` as float32, refused if any value is NaN, Inf or too large
+    for float32; converted in row blocks small enough that numpy keeps the GIL."""
+    out = array if array.dtype == np.float32 else np.empty(array.shape, dtype=np.float32)
+    step = max(1, HELD_ELEMENTS // max(1, array.shape[1]))
+    with np.errstate(over="ignore"):  # a value too large becomes Inf, refused below
+        for start in range(0, array.shape[0], step):
+            block = out[start:start + step]
+            if out is not array:
+                block[...] = array[start:start + step]
+            if not np.isfinite(block).all():
+                raise invalid_input("instance holds NaN, Inf or a number too large for float32")
+    return out
 
 
 def _kind_name(array: np.ndarray) -> str:
