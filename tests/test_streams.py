@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from tests.infra import RedisServer
 from tests.models import echo, window
-from vega.channel.keys import dlq_key, node_key, overflow_key, reply_key
+from vega.channel.keys import dlq_key, done_key, node_key, overflow_key, reply_key
 from vega.channel.wire import (
     Overflow,
     Reply,
@@ -28,6 +28,7 @@ from vega.channel.wire import (
 from vega.config import load_settings
 from vega.records import CRITICAL, Batch, Item
 from vega.runtime import Runtime
+from vega.streams import Streams
 
 CODES = frozenset({"model_error", "declined", "dead_letter"})
 
@@ -158,19 +159,29 @@ async def test_heartbeat_is_written_with_a_ttl(runtime: Runtime,
         await client.aclose()
 
 
-async def check_an_unclaimed_hand_off_is_taken_back(runtime: Runtime) -> None:
-    """A batch offered to a peer that never steals is taken back and answered here."""
+def ghost_peer_only(runtime: Runtime) -> Streams:
+    """The runtime's streams with no thief of its own and a peer that never steals."""
     streams = runtime.streams
     assert streams is not None
     for task in streams._tasks:  # nobody will steal: the origin's timer must answer
         if task.get_name().startswith("streams-steal"):
             task.cancel()
     streams.peers = [{"node": "ghost", "models": ["echo"], "stealing": True, "spare": {"echo": 1}}]
+    return streams
+
+
+def one_window_batch(runtime: Runtime, deadline_s: float) -> tuple[Batch, Item]:
     loop = asyncio.get_running_loop()
     sample, length = runtime.models["echo"].adapter.decode(window(2, 1.0))
     item = Item(model="echo", sample=sample, length=length, priority=CRITICAL,
-                deadline=loop.time() + 0.3, future=loop.create_future())
-    batch = Batch(model="echo", bucket=0, items=[item], formed_at=loop.time(), pad_to=2)
+                deadline=loop.time() + deadline_s, future=loop.create_future())
+    return Batch(model="echo", bucket=0, items=[item], formed_at=loop.time(), pad_to=2), item
+
+
+async def check_an_unclaimed_hand_off_is_taken_back(runtime: Runtime) -> None:
+    """A batch offered to a peer that never steals is taken back and answered here."""
+    streams = ghost_peer_only(runtime)
+    batch, item = one_window_batch(runtime, 0.3)
     assert await streams.offer(batch, local_wait_s=1.0)
     output = await asyncio.wait_for(item.future, 1.0)
     assert output[0] == pytest.approx(16.0)
@@ -180,3 +191,32 @@ async def check_an_unclaimed_hand_off_is_taken_back(runtime: Runtime) -> None:
 @pytest.mark.exclusive  # the take-back must run within the item's 300-ms deadline
 async def test_a_hand_off_nobody_takes_is_taken_back_and_run_locally(runtime: Runtime) -> None:
     await check_an_unclaimed_hand_off_is_taken_back(runtime)
+
+
+async def test_a_batch_taken_back_before_its_xadd_returns_is_left_to_no_thief(
+        runtime: Runtime, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The origin's timer may take a batch back while its XADD is on its way (a slow Redis);
+    the entry written after that is marked done and deleted, so no thief runs it again."""
+    streams = ghost_peer_only(runtime)
+    real_xadd = streams.cmd.xadd
+
+    async def slow_xadd(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.3)  # past the take-back timer: the local wait + a round trip
+        return await real_xadd(*args, **kwargs)
+
+    monkeypatch.setattr(streams.cmd, "xadd", slow_xadd)
+    batch, item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(batch, local_wait_s=0.05)
+    assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 1
+    assert (await asyncio.wait_for(item.future, 1.0))[0] == pytest.approx(16.0)  # run here
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        for _ in range(40):
+            if await client.xlen(overflow_key("echo")) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await client.xlen(overflow_key("echo")) == 0
+        done = await client.keys(done_key("echo", "*"))
+        assert [await client.get(key) for key in done] == [b"solo"]
+    finally:
+        await client.aclose()

@@ -245,6 +245,8 @@ class Streams:
             return False
         self.metrics.overflow.labels("out").inc()
         self.counts["offered"] += 1
+        if key not in self._pending:  # taken back while the XADD was on its way
+            self._spawn(self._forget(batch.model, key, handoff.entry_id, batch.deadline))
         return True
 
     def worth_handing_off(self, batch: Batch, local_wait_s: float) -> bool:
@@ -301,7 +303,7 @@ class Streams:
         self.metrics.overflow_events.labels("taken_back").inc()
         self.counts["taken_back"] += 1
         log.debug("batch %s taken back (%s)", key, why)
-        if self.up and handoff.entry_id is not None:
+        if self.up:  # before its XADD returns too: a thief checks the done key first
             self._spawn(self._forget(batch.model, key, handoff.entry_id, batch.deadline))
         if not any(item.live for item in batch.items):
             return
@@ -319,7 +321,8 @@ class Streams:
         try:
             async with self.cmd.pipeline(transaction=True) as pipe:
                 pipe.set(done_key(model, key), self.node, nx=True, px=ttl_ms)
-                pipe.xdel(overflow_key(model), entry_id)
+                if entry_id is not None:
+                    pipe.xdel(overflow_key(model), entry_id)
                 await pipe.execute()
         except rexc.RedisError as error:
             self.redis_error(error)
