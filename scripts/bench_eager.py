@@ -6,7 +6,8 @@ built-in model, not TorchScript). Every server runs with VEGA_TORCH_THREADS=1 an
 otherwise default settings: priority ``normal``, the default 1-s deadline. Each phase
 runs on a fresh server, and each round takes them in turn:
 
-1. the module alone, no HTTP, one thread, batch sizes 8..64 at 64 steps: the ceiling;
+1. the module alone, no HTTP, one thread, batch sizes 8..64 at 64 steps: the ceiling,
+   measured again after the round's last phase; ratios use the mean of the two;
 2. 64 connections, 64 steps, the model in a thread (VEGA_EXECUTOR=thread);
 3. the same at the default executor (a model process for an eager module);
 4. 64 connections, lengths uniform in 16..256, default length buckets (cut from the
@@ -174,6 +175,30 @@ def cpu_bound(phase: dict[str, Any]) -> float:
     return (os.cpu_count() or 1) * 1e6 / per_answer_us if per_answer_us else float("nan")
 
 
+def ceilings(number: int, when: str) -> dict[str, dict[int, float]]:
+    """The module alone (and at width 256): items/s per batch size, at 64 steps."""
+    measured = {
+        "ceiling_items_per_s": ceiling(64, (8, 16, 32, 64), per_size_s=1.5, spec=MODEL),
+        "wide_ceiling_items_per_s": ceiling(64, (16, 32, 64), per_size_s=1.5, spec=WIDE)}
+    for key, rates in measured.items():
+        print(f"round {number} {key} at the {when}, 64 steps: " + ", ".join(
+            f"b{size}: {rate:.0f}/s" for size, rate in rates.items()), flush=True)
+    return measured
+
+
+def bracketed(start: dict[str, dict[int, float]], end: dict[str, dict[int, float]]
+              ) -> dict[str, Any]:
+    """The ceilings a round's ratios use: per batch size, the mean of the module alone
+    measured before and after the round's phases. A VM whose speed drifts by a fifth
+    within minutes otherwise moves every ratio by as much; the drift is reported."""
+    bracket: dict[str, Any] = {}
+    for key, drift in (("ceiling_items_per_s", "ceiling_drift"),
+                       ("wide_ceiling_items_per_s", "wide_ceiling_drift")):
+        bracket[key] = {size: (start[key][size] + end[key][size]) / 2 for size in start[key]}
+        bracket[drift] = max(end[key].values()) / max(start[key].values())
+    return bracket
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="The eager-module benchmark (see the docstring).")
     parser.add_argument("seconds", nargs="?", type=float, default=10.0, help="per phase")
@@ -185,12 +210,7 @@ def main() -> int:
     results: dict[str, Any] = {"seconds": options.seconds, "rounds": []}
     port = 18800
     for number in range(1, options.rounds + 1):
-        round_: dict[str, Any] = {
-            "ceiling_items_per_s": ceiling(64, (8, 16, 32, 64), per_size_s=1.5, spec=MODEL),
-            "wide_ceiling_items_per_s": ceiling(64, (16, 32, 64), per_size_s=1.5, spec=WIDE)}
-        for key in ("ceiling_items_per_s", "wide_ceiling_items_per_s"):
-            print(f"round {number} {key}, 64 steps: " + ", ".join(
-                f"b{k}: {v:.0f}/s" for k, v in round_[key].items()), flush=True)
+        round_: dict[str, Any] = {"ceilings_at_start": ceilings(number, "start")}
         for name, env, connections, lengths in PHASES:
             if chosen and name not in chosen:
                 continue
@@ -198,6 +218,11 @@ def main() -> int:
                                      out / f"{number}-{name}")
             port += 1
             print(f"round {number} {name}: {json.dumps(round_[name])}", flush=True)
+        round_["ceilings_at_end"] = ceilings(number, "end")
+        round_.update(bracketed(round_["ceilings_at_start"], round_["ceilings_at_end"]))
+        print(f"round {number} the module alone at the end vs at the start: "
+              f"{round_['ceiling_drift']:.2f}x (wide: {round_['wide_ceiling_drift']:.2f}x); "
+              "ratios use the mean of the two", flush=True)
         round_["ratios"] = ratios(round_) if not chosen else {}
         print(f"round {number} ratios: "
               + json.dumps({k: round(v, 2) for k, v in round_["ratios"].items()}), flush=True)
