@@ -1,10 +1,10 @@
 """The batcher: length buckets, priorities, deadlines, and the size/wait triggers.
 
 Items wait in one deque per (length bucket, class) (vega.queues). The loop wakes on
-events only: an enqueue, a timer for when the oldest item's wait runs out (or a held full
+events only: an enqueue, a timer for when the oldest item's wait runs out (or a held
 batch falls due), or a finished batch freeing a thread. Work-conserving
 (``dispatch_when_idle``), a free thread takes what is queued at once, a busy one lets
-batches grow until full and a thread is about to free; otherwise a batch is due when
+batches grow until a thread is about to free; otherwise a batch is due when
 full or when its oldest item has waited ``max_wait_s``. Formed batches go to an injected
 ``sink`` (the executor, or the overflow channel): no HTTP, torch or Redis here.
 
@@ -29,7 +29,7 @@ from vega.timing import BatchTimes, ServiceRate
 
 log = logging.getLogger("vega.batcher")
 
-# While every thread is busy, the next full batch is formed shortly before a thread is
+# While every thread is busy, the next batch is formed shortly before a thread is
 # predicted to free: FORM_AHEAD of the freeing batch's predicted time ahead, at least
 # FORM_AHEAD_MIN_S (the loop's clock ticks in ms). Formed earlier it waits out the running
 # batch while fresher items queue behind it; formed later the thread sits idle. The lead
@@ -231,7 +231,11 @@ class Batcher(Queues):
             if len(self._inflight) >= self.config.parallelism:
                 return None, None  # a finishing batch wakes the loop
             idle = True
-        form_at = self._next_form_at(now) if hold and not idle else now
+        run = self._freeing_run() if hold and not idle else None
+        form_at = now if run is None else _form_at(*run)
+        # A partial batch, too, is formed ahead of a predicted end: held until the thread
+        # freed, it reached the model a loop turn and a thread hand-off late.
+        partial_ahead = run is not None and run[1] > run[0]
         for bucket, queues in enumerate(self._queues):
             if not depth[bucket]:
                 continue
@@ -243,16 +247,17 @@ class Batcher(Queues):
             oldest = min(item.enqueued_at for item in heads if item is not None)
             ready_at = oldest + self.config.max_wait_s
             full = depth[bucket] >= self.config.max_batch_size
-            if full and form_at > now:  # formed now, it would only wait behind the running batch
+            due = full or partial_ahead
+            if due and form_at > now:  # formed now, it would only wait behind the running batch
                 wake_at = form_at if wake_at is None else min(wake_at, form_at)
                 continue
-            # Work-conserving: a free thread takes what is here now. While every thread
-            # is busy, a partial batch sent on would only wait behind them at the size it
-            # has; held here it grows until a thread frees (which wakes this loop) or it
-            # fills, so batches grow with load.
-            if idle or full or (not hold and ready_at <= now):
+            # Work-conserving: a free thread takes what is here now. While every thread is
+            # busy, a batch sent on would only wait behind them at the size it has; held, it
+            # grows until shortly before a thread frees, so batches grow with load.
+            if idle or due or (not hold and ready_at <= now):
                 top = next(p for p, item in enumerate(heads) if item is not None)
-                key = (top, self._urgency(bucket, oldest, now) if idle else (0, oldest))
+                ranked = idle or (partial_ahead and not full)  # full ones first, oldest first
+                key = (top, self._urgency(bucket, oldest, now) if ranked else (0, oldest))
                 if best is None or key < best:
                     best, chosen = key, bucket
             elif not hold and (wake_at is None or ready_at < wake_at):
@@ -408,14 +413,6 @@ class Batcher(Queues):
             return None  # a thread is free now
         return sorted(self._inflight.values(), key=lambda run: run[1])[queued]
 
-    def _next_form_at(self, now: float) -> float:
-        """While every thread is busy: when the next full batch may be formed."""
-        run = self._freeing_run()
-        if run is None:
-            return now
-        start, end = run
-        return end - max(FORM_AHEAD_MIN_S, FORM_AHEAD * (end - start))
-
     def _dispatch(self, batch: Batch) -> None:
         now = asyncio.get_running_loop().time()
         run = self._freeing_run()
@@ -443,9 +440,7 @@ class Batcher(Queues):
             self.times.observe(batch.bucket, batch.size, batch.infer_s)
             self.rate.observe(batch.size, sum(item.cost for item in batch.items), batch.infer_s)
         # A thread is free: start what is due now, in this callback. Woken through the
-        # loop's task instead, the next batch would wait behind every handler the finished
-        # batch woke (its sink settles it first, they come after): at 64 connections with
-        # batches that do not fill, the thread sat idle ~18 ms of each 37 ms batch.
+        # loop's task, the next batch would wait behind every handler this batch woke.
         if self._running:
             self.pump()
         self._wake.set()  # the loop task recomputes its timer
@@ -458,3 +453,8 @@ def _fail(items: Sequence[Item], error: VegaError) -> None:
     for item in items:
         if not item.future.done():
             item.future.set_exception(error)
+
+
+def _form_at(start: float, end: float) -> float:
+    """When the batch after one predicted to run from ``start`` to ``end`` may be formed."""
+    return end - max(FORM_AHEAD_MIN_S, FORM_AHEAD * (end - start))
