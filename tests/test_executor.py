@@ -62,21 +62,30 @@ def test_each_way_gives_the_models_own_outputs(
         np.testing.assert_allclose(output, alone, atol=1e-5)
 
 
-async def test_a_raising_model_fails_only_its_batch_in_a_model_process() -> None:
+def echo_batch(model: SequenceModel, first: float = 0.5, size: int = 1) -> Batch:
+    """A batch of ``size`` echo windows whose first value is ``first`` (FAIL_MARK: raise,
+    -FAIL_MARK: hang for TEST_HANG_MS)."""
+    loop = asyncio.get_running_loop()
+    rows = window(4)
+    rows[0][0] = first
+    items = [Item(model="echo", sample=model.decode(rows)[0], length=4, priority=1,
+                  deadline=loop.time() + 60, future=loop.create_future()) for _ in range(size)]
+    return Batch(model="echo", bucket=0, items=items, formed_at=loop.time(), pad_to=4)
+
+
+async def echo_executor() -> tuple[Executor, SequenceModel]:
+    """An executor with one model process running ``echo`` (its TEST_* settings from the
+    environment, read by the child when it loads the model)."""
     model = load_model(ECHO, "echo")
     executor = Executor({"echo": model}, plan=plan(ECHO, "echo"))
     await asyncio.get_running_loop().run_in_executor(None, executor.load, "cpu")
-    loop = asyncio.get_running_loop()
+    return executor, model
 
-    def batch(first: float) -> Batch:
-        rows = window(4)
-        rows[0][0] = first
-        items = [Item(model="echo", sample=model.decode(rows)[0], length=4, priority=1,
-                      deadline=loop.time() + 10, future=loop.create_future())]
-        return Batch(model="echo", bucket=0, items=items, formed_at=loop.time(), pad_to=4)
 
+async def test_a_raising_model_fails_only_its_batch_in_a_model_process() -> None:
+    executor, model = await echo_executor()
     try:
-        failing, fine = batch(FAIL_MARK), batch(0.5)
+        failing, fine = echo_batch(model, FAIL_MARK), echo_batch(model, 0.5)
         await executor.run(failing)
         await executor.run(fine)
         with pytest.raises(VegaError) as failed:
@@ -84,6 +93,60 @@ async def test_a_raising_model_fails_only_its_batch_in_a_model_process() -> None
         assert failed.value.code == "model_error"
         assert fine.items[0].future.result()[1] == 4.0  # echo: [sum, length, batch size]
         assert executor.available and executor.restarts == 0
+    finally:
+        executor.shutdown()
+
+
+async def test_a_model_process_holds_the_next_batch_while_one_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch sent while another runs waits in the child (two lanes), each gets its own
+    outputs, and the time it waited there is not counted as its model time."""
+    monkeypatch.setenv("TEST_SLEEP_MS", "300")
+    executor, model = await echo_executor()
+    try:
+        first, second = echo_batch(model, 0.5, size=3), echo_batch(model, 0.25, size=2)
+        began = asyncio.get_running_loop().time()
+        running = asyncio.gather(executor.run(first), executor.run(second))
+        await asyncio.sleep(0.1)
+        assert executor.busy == 2  # both handed to the one model process
+        await running
+        elapsed = asyncio.get_running_loop().time() - began
+        assert [item.future.result()[2] for item in first.items] == [3.0] * 3  # batch sizes
+        assert [item.future.result()[2] for item in second.items] == [2.0] * 2
+        assert first.items[0].future.result()[0] == pytest.approx(16.0)  # sum of its window
+        assert second.items[0].future.result()[0] == pytest.approx(15.75)
+        # Run one after the other: their model times add up to the time both took, not
+        # more (the second's wait behind the first is not model time).
+        assert first.infer_s + second.infer_s <= 1.1 * elapsed
+        assert executor.busy_s == pytest.approx(first.infer_s + second.infer_s)
+    finally:
+        executor.shutdown()
+
+
+async def test_a_killed_model_process_fails_both_batches_it_held_and_comes_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_HANG_MS", "5000")
+    executor, model = await echo_executor()
+    try:
+        hanging, waiting = echo_batch(model, -FAIL_MARK), echo_batch(model, 0.5)
+        running = asyncio.gather(executor.run(hanging), executor.run(waiting))
+        await asyncio.sleep(0.2)
+        assert executor.busy == 2
+        pid = executor.processes[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await running
+        for batch in (hanging, waiting):
+            with pytest.raises(VegaError) as failed:
+                batch.items[0].future.result()
+            assert failed.value.code == "model_error"
+        deadline = asyncio.get_running_loop().time() + 60
+        while not executor.available and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        after = echo_batch(model, 0.5)
+        await executor.run(after)
+        assert after.items[0].future.result()[1] == 4.0
+        assert executor.restarts == 1 and executor.processes[0].pid != pid
     finally:
         executor.shutdown()
 

@@ -2,10 +2,11 @@
 
 Each batch is handed to a worker thread, which runs it on a runner: the model
 adapter itself (``thread``: collate, pad, forward and split in this process), or a
-model process (``process``: the thread packs the batch into shared memory and sleeps
-while a child runs it, see ``vega.modelproc``). Then the loop is woken once (one
-``call_soon_threadsafe``) to resolve all the batch's futures. A model that raises
-fails only that batch's items; a model process that dies fails only the batch it held.
+lane of a model process (``process``: the thread packs the batch into shared memory and
+sleeps while a child runs it, see ``vega.modelproc``; each process has two lanes, so
+the batch formed ahead waits in the child, not in this process). Then the loop is woken
+once (one ``call_soon_threadsafe``) to resolve all the batch's futures. A model that raises
+fails only that batch's items; a model process that dies fails only the batches it held.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
 
 
 class Runner(Protocol):
-    def run(self, model: str, samples: list[Any], pad_to: int) -> list[Any]: ...
+    def run(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
+        """The batch's outputs, and the seconds it held the model."""
 
 
 class InThread:
@@ -84,28 +86,32 @@ class InThread:
     def __init__(self, models: Mapping[str, ModelAdapter]) -> None:
         self.models = models
 
-    def run(self, model: str, samples: list[Any], pad_to: int) -> list[Any]:
-        return self.models[model].run(samples, pad_to)
+    def run(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
+        started = time.perf_counter()
+        outputs = self.models[model].run(samples, pad_to)
+        return outputs, time.perf_counter() - started
 
 
 class Executor:
-    """``threads`` worker threads; with a ``plan``, each drives a model process of its own."""
+    """``threads`` models running batches at once: in worker threads, or with a ``plan``,
+    in that many model processes (each driven by a worker thread per lane)."""
 
     def __init__(self, models: Mapping[str, ModelAdapter], threads: int = 1,
                  torch_threads: int = 0, plan: ProcessPlan | None = None) -> None:
         self.models = dict(models)
         self._torch_threads = torch_threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vega-exec",
+        workers = threads * (plan.lanes if plan is not None else 1)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vega-exec",
                                         initializer=self._init_thread)
         self._running = 0
         self.threads = threads
-        self.busy_s = 0.0  # thread time spent in batches so far (utilisation = its rate)
+        self.busy_s = 0.0  # time the models spent on batches so far (utilisation = its rate)
         self._lock = threading.Lock()
         self.kind = "thread" if plan is None else "process"
         self._plan = plan
         self.processes: list[ModelProcess] = []
-        # A runner per thread: a batch takes one and gives it back, so each model
-        # process runs one batch at a time.
+        # A runner per thread, or per lane of a model process: a batch takes one and
+        # gives it back.
         self._runners: queue.SimpleQueue[Runner] = queue.SimpleQueue()
         if plan is None:
             in_thread = InThread(self.models)
@@ -127,7 +133,8 @@ class Executor:
             process = ModelProcess(plan, index)
             self.processes.append(process)
             process.start()
-            self._runners.put(process)
+            for lane in process.lanes:
+                self._runners.put(lane)
 
     @property
     def available(self) -> bool:
@@ -169,10 +176,8 @@ class Executor:
         began = time.perf_counter()
         runner = self._runners.get()
         try:
-            started = time.perf_counter()
-            outputs = runner.run(batch.model, [item.sample for item in batch.items],
-                                 batch.pad_to)
-            batch.infer_s = time.perf_counter() - started
+            outputs, batch.infer_s = runner.run(
+                batch.model, [item.sample for item in batch.items], batch.pad_to)
             if len(outputs) != batch.size:
                 raise RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
         except Exception as exc:  # the model's failure is this batch's alone
@@ -181,7 +186,7 @@ class Executor:
             self._runners.put(runner)
             with self._lock:
                 self._running -= 1
-                self.busy_s += time.perf_counter() - began
+                self.busy_s += batch.infer_s or time.perf_counter() - began
         try:
             loop.call_soon_threadsafe(_resolve, batch, outputs, error, done)
         except RuntimeError:  # the loop closed during shutdown; nobody is waiting
@@ -191,9 +196,7 @@ class Executor:
         """Run in the calling thread (warm-up, profiling); return outputs and seconds."""
         runner = self._runners.get()
         try:
-            started = time.perf_counter()
-            outputs = runner.run(model, samples, pad_to)
-            return outputs, time.perf_counter() - started
+            return runner.run(model, samples, pad_to)
         finally:
             self._runners.put(runner)
 

@@ -3,9 +3,10 @@
 Started as ``python -m vega.modelproc FD SLOT_FD``, so it shares nothing with
 the parent but a socket (FD) and the shared-memory slot (SLOT_FD, a memfd); the first
 message on the socket is its configuration: the model specs, the device and threads.
-Each request is a header (orjson) naming the model, ``pad_to`` and the samples' layout
-in the slot; the answer is a header with the outputs' layout, written over the
-samples, or carried in the message when they do not fit. A model that raises
+Each request is a header (orjson) naming the model, ``pad_to``, the slot (one of
+``lanes``) and the samples' layout in it; the answer is a header with the outputs'
+layout, written over the samples, or carried in the message when they do not fit.
+Requests are answered in the order they came. A model that raises
 answers an error for that batch and the process goes on.
 """
 
@@ -35,6 +36,7 @@ class ChildConfig:
     device: str
     torch_threads: int
     slot_bytes: int
+    lanes: int = 1  # slots in the shared memory, slot_bytes each
     warm_shapes: tuple[tuple[str, int, int], ...] = ()  # (model, length, size) untimed passes
     cpus: tuple[int, ...] = ()  # run only on these (VEGA_MODEL_CPUS); empty = anywhere
 
@@ -53,7 +55,9 @@ def main(argv: list[str]) -> int:
                             "cpus": tuple(raw["cpus"])})
     if config.cpus:
         pin_process(config.cpus)  # before torch starts its threads
-    buffer = memoryview(mmap.mmap(int(argv[1]), config.slot_bytes))  # freed at exit
+    memory = memoryview(mmap.mmap(int(argv[1]), config.slot_bytes * config.lanes))
+    slots = [memory[k * config.slot_bytes:(k + 1) * config.slot_bytes]  # freed at exit
+             for k in range(config.lanes)]
     try:
         models = _load(config)
     except Exception as error:  # a model that cannot load: say why, then exit
@@ -61,7 +65,7 @@ def main(argv: list[str]) -> int:
                                       "error": f"{type(error).__name__}: {error}"}))
         return 1
     conn.send_bytes(orjson.dumps({"ready": True, "pid": os.getpid()}))
-    _serve(models, buffer, conn)
+    _serve(models, slots, conn)
     return 0
 
 
@@ -87,7 +91,7 @@ def _load(config: ChildConfig) -> dict[str, Any]:
     return models
 
 
-def _serve(models: dict[str, Any], buffer: memoryview, conn: Connection) -> None:
+def _serve(models: dict[str, Any], slots: list[memoryview], conn: Connection) -> None:
     while True:
         try:
             request = orjson.loads(conn.recv_bytes())
@@ -96,6 +100,7 @@ def _serve(models: dict[str, Any], buffer: memoryview, conn: Connection) -> None
         started = time.perf_counter()
         try:
             adapter = models[request["model"]]
+            buffer = slots[int(request["slot"])]
             samples = slot.unpack(buffer, request, copy=False)
             outputs = adapter.run(samples, int(request["pad_to"]))
             del samples  # views into the slot, about to be overwritten

@@ -1,9 +1,14 @@
 """The parent's side of one model process: start it, run batches on it, restart it.
 
-One handle is driven by one executor thread at a time. It packs a batch into its
-shared-memory slot, sends the header and waits (without the GIL) for the answer. A
-child that dies or runs past ``timeout_s`` fails the batch it held; the handle then
-restarts it in the background with backoff and is unavailable until it is warm.
+A handle has ``lanes`` shared-memory slots, each driven by one executor thread at a
+time (``ModelProcess.lanes``): a lane packs its batch into its slot, sends the header
+and waits (without the GIL) for the answer. With two lanes the batch formed ahead is
+already in the child's pipe when the running one ends, so the child goes from one
+forward pass to the next without waiting on the parent's threads. The child answers
+in the order it was sent; a lane reads its answer only once the batches sent before it
+were answered. A child that dies or runs past ``timeout_s`` fails the batches it held;
+the handle then restarts it in the background with backoff and is unavailable until
+it is warm.
 """
 
 from __future__ import annotations
@@ -48,6 +53,18 @@ class ProcessPlan:
     start_timeout_s: float = 300.0
     warm_shapes: tuple[tuple[str, int, int], ...] = ()  # run after a restart, before ready
     cpus: tuple[int, ...] = ()  # VEGA_MODEL_CPUS: where the child runs; empty = anywhere
+    lanes: int = 2  # batches the child may hold at once: one running, one waiting in its pipe
+
+
+@dataclass
+class _Life:
+    """One life of the child: its pipe, and the batches sent and answered on it."""
+
+    process: subprocess.Popen[bytes]
+    conn: Connection
+    sent: int = 0
+    answered: int = 0
+    answered_at: float = 0.0  # perf_counter when the last answer was read
 
 
 class ModelProcess:
@@ -58,11 +75,15 @@ class ModelProcess:
         self.pid: int | None = None
         # A memfd: no name to leak, freed once both processes have closed it.
         self._slot_fd = os.memfd_create(f"vega-slot-{index}")
-        os.ftruncate(self._slot_fd, plan.slot_bytes)
-        self._mmap = mmap.mmap(self._slot_fd, plan.slot_bytes)
+        os.ftruncate(self._slot_fd, plan.slot_bytes * plan.lanes)
+        self._mmap = mmap.mmap(self._slot_fd, plan.slot_bytes * plan.lanes)
         self._buffer = memoryview(self._mmap)
-        self._process: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
+        self._slots = [self._buffer[k * plan.slot_bytes:(k + 1) * plan.slot_bytes]
+                       for k in range(plan.lanes)]
+        self.lanes = [Lane(self, k) for k in range(plan.lanes)]
+        self._life: _Life | None = None
+        self._send_lock = threading.Lock()  # one message at a time, tickets in send order
+        self._turn = threading.Condition()  # a lane reads its answer when its turn comes
         self._up = threading.Event()
         self._closed = False
         self._started_at = 0.0
@@ -77,30 +98,52 @@ class ModelProcess:
         """Start the child and wait until its models are loaded (raises ModelProcessError)."""
         self._spawn(warm=False)
 
-    def run(self, model: str, samples: list[Any], pad_to: int) -> list[Any]:
-        """Run one batch on the child; raises VegaError(not_ready) while it restarts."""
-        conn = self._conn
-        if not self._up.is_set() or conn is None:
+    def run(self, lane: int, model: str, samples: list[Any], pad_to: int
+            ) -> tuple[list[Any], float]:
+        """Run one batch on the child through slot ``lane``: its outputs, and the seconds
+        it held the child (from when the child could start it to its answer).
+
+        Raises VegaError(not_ready) while the child restarts."""
+        life = self._life
+        if not self._up.is_set() or life is None:
             raise VegaError("not_ready", "the model process is restarting",
                             retry_after_ms=1000.0 * self._backoff_s())
-        header = slot.pack(self._buffer, samples)
+        buffer = self._slots[lane]
+        header = slot.pack(buffer, samples)
+        message = orjson.dumps({"model": model, "pad_to": pad_to, "slot": lane, **header})
         try:
-            conn.send_bytes(orjson.dumps({"model": model, "pad_to": pad_to, **header}))
-            if not conn.poll(self.plan.timeout_s):
-                self._kill(f"gave no answer within {self.plan.timeout_s:g} s")
-            reply = orjson.loads(conn.recv_bytes())
-            payload = conn.recv_bytes() if reply.get("inline") else None
+            with self._send_lock:
+                life.conn.send_bytes(message)
+                ticket = life.sent
+                life.sent += 1
+            sent_at = time.perf_counter()
+            with self._turn:
+                self._turn.wait_for(lambda: life.answered == ticket)
+            try:
+                started = max(sent_at, life.answered_at)  # it waited behind the one before
+                if not life.conn.poll(self.plan.timeout_s):
+                    self._kill(life, f"gave no answer within {self.plan.timeout_s:g} s")
+                reply = orjson.loads(life.conn.recv_bytes())
+                payload = life.conn.recv_bytes() if reply.get("inline") else None
+                life.answered_at = time.perf_counter()
+            finally:
+                with self._turn:
+                    life.answered += 1
+                    self._turn.notify_all()
         except (EOFError, OSError) as error:
-            self._kill(f"died during a batch ({type(error).__name__})")
+            self._kill(life, f"died during a batch ({type(error).__name__})")
         if not reply.get("ok"):
             raise RuntimeError(str(reply.get("error", "model failed")))
-        return slot.unpack(self._buffer if payload is None else payload, reply, copy=True)
+        outputs = slot.unpack(buffer if payload is None else payload, reply, copy=True)
+        return outputs, time.perf_counter() - started
 
     def close(self) -> None:
         """Stop the child (it exits when its pipe closes) and free the slot."""
         self._closed = True
         self._up.clear()
         self._stop_child(grace_s=5.0)
+        for view in self._slots:
+            view.release()
         self._buffer.release()
         self._mmap.close()
         os.close(self._slot_fd)
@@ -111,6 +154,7 @@ class ModelProcess:
         plan = self.plan
         config = ChildConfig(specs=plan.specs, device=plan.device,
                              torch_threads=plan.torch_threads, slot_bytes=plan.slot_bytes,
+                             lanes=plan.lanes,
                              warm_shapes=plan.warm_shapes if warm else (), cpus=plan.cpus)
         ours, theirs = socket.socketpair()
         # The child imports the models as this process did: same path, same directory.
@@ -121,7 +165,7 @@ class ModelProcess:
             stdin=subprocess.DEVNULL)
         theirs.close()
         conn = Connection(ours.detach())
-        self._process, self._conn = process, conn
+        self._life = _Life(process, conn)
         try:
             conn.send_bytes(encode_config(config))
             if not conn.poll(plan.start_timeout_s):
@@ -143,20 +187,21 @@ class ModelProcess:
         threading.Thread(target=self._watch, args=(process,), daemon=True,
                          name=f"vega-model-{self.index}-watch").start()
 
-    def _kill(self, why: str) -> NoReturn:
-        """Fail the batch the child held; its watcher sees it go and restarts it."""
-        self._up.clear()
-        log.error("model process %d (pid %s) %s", self.index, self.pid, why)
-        process = self._process
-        if process is not None and process.poll() is None:
-            process.kill()
+    def _kill(self, life: _Life, why: str) -> NoReturn:
+        """Fail a batch this life of the child held; its watcher sees it go and restarts it."""
+        if life is self._life:  # not a life that has already been replaced
+            self._up.clear()
+        log.error("model process %d (pid %s) %s", self.index, life.process.pid, why)
+        if life.process.poll() is None:
+            life.process.kill()
         raise ModelProcessError(f"model process {why}")
 
     def _watch(self, process: subprocess.Popen[bytes]) -> None:
         """Wait for this life of the child to end; unless closing, start the next."""
         process.wait()
         self._up.clear()
-        if self._closed or process is not self._process:
+        life = self._life
+        if self._closed or life is None or process is not life.process:
             return
         log.error("model process %d (pid %s) exited with %s; restarting", self.index,
                   process.pid, process.returncode)
@@ -180,14 +225,24 @@ class ModelProcess:
         return BACKOFF_S[min(self._failures, len(BACKOFF_S) - 1)]
 
     def _stop_child(self, grace_s: float) -> None:
-        conn, process = self._conn, self._process
-        self._conn = None
-        if conn is not None:
-            conn.close()  # the child's recv sees EOF and it returns
-        if process is not None:
-            try:
-                process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5.0)
+        life, self._life = self._life, None
+        if life is None:
+            return
+        life.conn.close()  # the child's recv sees EOF and it returns
+        try:
+            life.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            life.process.kill()
+            life.process.wait(5.0)
+
+
+class Lane:
+    """One slot of a model process, as an executor runner: one batch at a time."""
+
+    def __init__(self, process: ModelProcess, index: int) -> None:
+        self.process = process
+        self.index = index
+
+    def run(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
+        return self.process.run(self.index, model, samples, pad_to)
 
