@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,27 @@ def test_python_factory_and_bad_specs() -> None:
                  "torchscript:/no/such.pt"):
         with pytest.raises(ModelLoadError):
             load_model(spec)
+
+
+def test_a_python_model_is_found_in_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As ``vega serve`` (a console script, whose path does not hold the working directory)
+    loads ``python:mypackage.models:build`` from where it was started."""
+    (tmp_path / "vega_user_models.py").write_text(
+        "import torch\n\n"
+        "class Mean(torch.nn.Module):\n"
+        "    def forward(self, x, lengths):\n"
+        "        return x.mean(dim=1)\n\n"
+        "def build(name):\n"
+        "    return Mean()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "vega_user_models", raising=False)
+    model = load_model("python:vega_user_models:build", "mine")
+    model.load("cpu")
+    window = model.decode(np.full((4, 8), 2.0).tolist())[0]
+    np.testing.assert_allclose(model.run([window], 4)[0], np.full(8, 2.0))
+    assert sys.path[-1] == str(tmp_path)  # after every installed package
 
 
 def test_torchscript_compiles_at_load_not_in_the_first_timed_pass() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,11 @@ def _python(target: str, name: str) -> ModelAdapter:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise ModelLoadError(f"python:{target}: expected python:module:attr")
+    # Found where it is installed, else in the working directory (as uvicorn finds an app);
+    # last on the path, so a folder there cannot shadow an installed package.
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.append(here)
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
