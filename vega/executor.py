@@ -153,7 +153,8 @@ class Executor:
 
     @property
     def busy(self) -> int:
-        """Batches running in a thread right now."""
+        """Batches handed to the models right now: running, or (in a model process's
+        second lane) sent to wait behind the running one."""
         return self._running
 
     async def call(self, fn: Any, *args: Any) -> Any:
