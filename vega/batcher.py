@@ -308,10 +308,9 @@ class Batcher(Queues):
     def _shares(self, bucket: int) -> dict[int, int]:
         """How many items each bucket gives the batch formed for ``bucket``.
 
-        A partial batch takes in the nearest non-empty bucket on either side while one
-        batch of them all (padded to the longer) is predicted to cost less than the two
-        apart: the profiled costs, not the bucket bounds, say when padding is cheaper
-        than another forward pass.
+        A partial batch takes in the nearest non-empty bucket on either side while adding
+        its items, padded, is predicted to cost less than their share of the batch they
+        would join if left (the rest of the queue, up to a full batch): measured costs decide.
         """
         lane, depth = self._lane()
         cap = self._job_cap(bucket) if lane is JOBS else self.config.max_batch_size
@@ -327,8 +326,9 @@ class Batcher(Queues):
                 if other is None:
                     continue
                 count = min(cap - size, depth[other])
-                top = max(high, other)
-                saved = predict(high, size) + predict(other, count) - predict(top, size + count)
+                left = min(cap, max(count, sum(depth) - size))  # the batch they would join
+                saved = predict(high, size) + count * predict(other, left) / left \
+                    - predict(max(high, other), size + count)
                 if saved > 0 and (best is None or saved > best[0]):
                     best = (saved, other, count)
             if best is None:

@@ -4,8 +4,8 @@ Warm-up measures batch times at the configured bounds (``VEGA_LENGTH_BUCKETS``).
 them, ``plan_bounds`` cuts the bounds again so that an item padded to its bucket's
 bound costs at most ``padding`` more per item than at its own length: fine where cost
 grows steeply with length, one wide bucket where it is flat. Neighbouring buckets still
-share a batch whenever one pass costs less than two (the batcher), so fine buckets do not
-leave batches small.
+share a batch when padding costs less than the pass the items would otherwise need (the
+batcher), so fine buckets do not leave batches small at a short queue.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class BatchTimes:
         """Seconds to run ``counts[bucket]`` items of each bucket in batches of up to ``max_size``.
 
         Full batches at their size; the partial ones that are left share batches (the
-        batcher forms a batch across neighbouring buckets when one costs less than two),
+        batcher leaves them to share the fixed cost of a batch with the rest of the queue),
         so their fixed cost is paid once per ``max_size`` of them, not once per bucket.
         """
         seconds = fixed = 0.0

@@ -491,6 +491,23 @@ async def test_buckets_stay_apart_when_padding_costs_more_than_a_pass() -> None:
     assert (later, batcher.bucket_depth(2)) in (([], 1), ([[300]], 0))
 
 
+async def test_a_deep_queue_keeps_distant_lengths_apart_a_short_one_merges_them() -> None:
+    # Padding two 40-step items to 300 steps costs less than a pass of their own, but
+    # more than their share of a full batch: behind a deep queue they get that batch,
+    # so they are not padded; with little queued, the pass would be theirs alone.
+    lines = {0: (0.002, 0.0001), 1: (0.002, 0.0002), 2: (0.002, 0.001)}
+    for long_items, expected in ((10, [40, 40]), (2, [40, 40, 300, 300])):
+        sink = RecordingSink()
+        sink.gate.clear()
+        batcher = Batcher(config(max_batch_size=8, dispatch_when_idle=True), sink)
+        costed(batcher, lines)
+        for length in [40] * 2 + [300] * long_items:
+            item(batcher, length=length)
+        batch = await formed_once(batcher, sink)
+        assert sorted(i.length for i in batch.items) == expected
+        assert batch.pad_to == expected[-1]
+
+
 async def test_job_items_wait_for_inline_ones_and_never_share_their_batch() -> None:
     sink = RecordingSink()
     sink.gate.clear()
