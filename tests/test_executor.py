@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,6 +78,7 @@ async def echo_executor() -> tuple[Executor, SequenceModel]:
     """An executor with one model process running ``echo`` (its TEST_* settings from the
     environment, read by the child when it loads the model)."""
     model = load_model(ECHO, "echo")
+    assert isinstance(model, SequenceModel)
     executor = Executor({"echo": model}, plan=plan(ECHO, "echo"))
     await asyncio.get_running_loop().run_in_executor(None, executor.load, "cpu")
     return executor, model
@@ -119,6 +121,31 @@ async def test_a_model_process_holds_the_next_batch_while_one_runs(
         # more (the second's wait behind the first is not model time).
         assert first.infer_s + second.infer_s <= 1.1 * elapsed
         assert executor.busy_s == pytest.approx(first.infer_s + second.infer_s)
+    finally:
+        executor.shutdown()
+
+
+async def test_the_loop_drives_the_model_process_with_no_thread_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches past the two lanes wait here and go in order as lanes free; none wakes an
+    executor thread (there is none), and warm-up from a thread is served through the loop."""
+    monkeypatch.setenv("TEST_SLEEP_MS", "100")
+    executor, model = await echo_executor()
+    try:
+        batches = [echo_batch(model, float(k), size=k + 1) for k in range(4)]
+        running = asyncio.gather(*(executor.run(batch) for batch in batches))
+        await asyncio.sleep(0.05)
+        assert executor.busy == 2  # two in the child, two waiting here
+        await running
+        for k, batch in enumerate(batches):
+            assert [item.future.result()[2] for item in batch.items] == [k + 1.0] * (k + 1)
+            assert batch.items[0].future.result()[0] == pytest.approx(15.5 + k)
+        ends = [batch.infer_s for batch in batches]
+        assert all(0.09 < s < 1.0 for s in ends), ends  # each its own 100 ms, not a wait
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("vega-exec")]
+        sample = batches[0].items[0].sample
+        outputs, _ = await asyncio.to_thread(executor.run_sync, "echo", [sample], 4)
+        assert outputs[0][2] == 1.0
     finally:
         executor.shutdown()
 
@@ -222,13 +249,16 @@ def test_auto_runs_an_eager_module_in_a_process_and_torchscript_in_a_thread(
     status = httpx.get(eager.url + "/v1/status", timeout=5).json()
     assert status["executor"]["kind"] == "process" and status["executor"]["processes_up"] == 1
     assert infer(eager.url).status_code == 200
-    # Its buckets were cut from its measured costs (finer than powers of two where a
-    # window's cost grows with its length), and the padding it paid is reported.
+    # Its buckets were cut again from its measured costs, and the padding it paid is
+    # reported. How many there are depends on timings taken on a shared machine (the
+    # planner's own tests fix the costs), so only the cut is asserted here.
     model = httpx.get(eager.url + "/v1/status", timeout=5).json()["models"]["encoder"]
-    assert model["length_buckets"][-1] == 512 and len(model["length_buckets"]) > 6
+    buckets = model["length_buckets"]
+    assert buckets != [16, 32, 64, 128, 256, 512] and buckets[-1] == 512, buckets
+    assert buckets == sorted(set(buckets)) and all(b % 8 == 0 for b in buckets), buckets
     assert 0.0 <= model["padding_share"] < 1.0
     assert metric(eager, "vega_length_bucket_upper_steps", model="encoder",
-                  bucket=str(len(model["length_buckets"]) - 1)) == 512
+                  bucket=str(len(buckets) - 1)) == 512
     assert metric(eager, "vega_batch_steps_total", model="encoder") > 0
     builtin = vega()
     assert httpx.get(builtin.url + "/v1/status", timeout=5).json()["executor"]["kind"] == "thread"

@@ -1,24 +1,30 @@
 """The executor: model code runs here, never on the event loop.
 
-Each batch is handed to a worker thread, which runs it on a runner: the model
-adapter itself (``thread``: collate, pad, forward and split in this process), or a
-lane of a model process (``process``: the thread packs the batch into shared memory and
-sleeps while a child runs it, see ``vega.modelproc``; each process has two lanes, so
-the batch formed ahead waits in the child, not in this process). Then the loop is woken
-once (one ``call_soon_threadsafe``) to resolve all the batch's futures. A model that raises
-fails only that batch's items; a model process that dies fails only the batches it held.
+``thread``: each batch is handed to a worker thread, which runs it on the model adapter
+itself (collate, pad, forward and split in this process); then the loop is woken once
+(one ``call_soon_threadsafe``) to resolve all the batch's futures. ``process``: the loop
+itself packs each batch into a free lane of a model process (shared memory, see
+``vega.modelproc``) and resolves the futures when the child's answer turns the pipe
+readable; no thread of this process wakes for a batch, so none contends with the loop
+for the GIL. Each process has two lanes, so the batch formed ahead waits in the child;
+more wait here, in order. A model that raises fails only that batch's items; a model
+process that dies fails only the batches it held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,6 +33,7 @@ from vega.config import Settings, length_bounds
 from vega.errors import VegaError
 from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
+from vega.modelproc.handle import Answered, Lane
 from vega.modelproc.slot import ALIGN
 from vega.models import ModelAdapter, runs_eagerly
 from vega.models.loader import ModelLoadError
@@ -92,16 +99,26 @@ class InThread:
         return outputs, time.perf_counter() - started
 
 
+@dataclass
+class _Job:
+    """Work for a model process's lane, waiting for one to free."""
+
+    model: str
+    samples: list[Any]
+    pad_to: int
+    answered: Answered
+
+
 class Executor:
     """``threads`` models running batches at once: in worker threads, or with a ``plan``,
-    in that many model processes (each driven by a worker thread per lane)."""
+    in that many model processes (driven from the loop, once ``bind`` or ``run`` is
+    first called on it; before, from the calling thread: warm-up, ``vega profile``)."""
 
     def __init__(self, models: Mapping[str, ModelAdapter], threads: int = 1,
                  torch_threads: int = 0, plan: ProcessPlan | None = None) -> None:
         self.models = dict(models)
         self._torch_threads = torch_threads
-        workers = threads * (plan.lanes if plan is not None else 1)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vega-exec",
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vega-exec",
                                         initializer=self._init_thread)
         self._running = 0
         self.threads = threads
@@ -113,6 +130,9 @@ class Executor:
         # A runner per thread, or per lane of a model process: a batch takes one and
         # gives it back.
         self._runners: queue.SimpleQueue[Runner] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None  # driving the model processes
+        self._free: list[Lane] = []  # lanes of the model processes with no batch in them
+        self._waiting: deque[_Job] = deque()
         if plan is None:
             in_thread = InThread(self.models)
             for _ in range(threads):
@@ -135,6 +155,7 @@ class Executor:
             process.start()
             for lane in process.lanes:
                 self._runners.put(lane)
+                self._free.append(lane)
 
     @property
     def available(self) -> bool:
@@ -161,12 +182,56 @@ class Executor:
         """Run any blocking model work (loading, warm-up) on the executor threads."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Drive the model processes from ``loop`` from now on (call on it, after ``load``)."""
+        if self._plan is not None:
+            self._loop = loop
+
     def run(self, batch: Batch) -> asyncio.Future[None]:
         """Run ``batch``; the returned future and its items' futures are settled together."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        self._pool.submit(self._work, loop, batch, done)
+        if self._plan is None:
+            self._pool.submit(self._work, loop, batch, done)
+            return done
+        if self._loop is None:
+            self.bind(loop)
+        samples = [item.sample for item in batch.items]
+        self._waiting.append(_Job(batch.model, samples, batch.pad_to,
+                                  partial(self._ran, batch, done)))
+        self._feed()
         return done
+
+    def _feed(self) -> None:
+        """Send waiting work to free lanes, those of a model process that is up first."""
+        while self._waiting and self._free:
+            lane = min(self._free, key=lambda free: (not free.process.up,
+                                                     free.process.in_child))
+            self._free.remove(lane)
+            job = self._waiting.popleft()
+            self._running += 1
+            answered = partial(self._answered, lane, job)
+            try:
+                lane.process.submit(lane.index, job.model, job.samples, job.pad_to, answered)
+            except Exception as exc:  # not sent: not up, or samples that cannot cross
+                # Failed on the next turn, as a sent batch is: never inside run().
+                asyncio.get_running_loop().call_soon(answered, None, 0.0, exc)
+
+    def _answered(self, lane: Lane, job: _Job, outputs: list[Any] | None, held_s: float,
+                  error: BaseException | None) -> None:
+        self._free.append(lane)
+        self._running -= 1
+        self._feed()  # the next batch into the child before this one's answers are written
+        job.answered(outputs, held_s, error)
+
+    def _ran(self, batch: Batch, done: asyncio.Future[None], outputs: list[Any] | None,
+             held_s: float, error: BaseException | None) -> None:
+        batch.infer_s = held_s
+        self.busy_s += held_s
+        if outputs is not None and len(outputs) != batch.size:
+            error = RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
+            outputs = None
+        _resolve(batch, outputs, error, done)
 
     def _work(self, loop: asyncio.AbstractEventLoop, batch: Batch,
               done: asyncio.Future[None]) -> None:
@@ -194,7 +259,25 @@ class Executor:
             pass
 
     def run_sync(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
-        """Run in the calling thread (warm-up, profiling); return outputs and seconds."""
+        """Run and wait (warm-up, profiling; not on the loop); return outputs and seconds."""
+        loop = self._loop
+        if loop is not None:  # the loop drives the model processes: queue it there
+            result: concurrent.futures.Future[tuple[list[Any], float]] = \
+                concurrent.futures.Future()
+
+            def answered(outputs: list[Any] | None, held_s: float,
+                         error: BaseException | None) -> None:
+                if error is not None or outputs is None:
+                    result.set_exception(error or RuntimeError("no outputs"))
+                else:
+                    result.set_result((outputs, held_s))
+
+            def enqueue() -> None:
+                self._waiting.append(_Job(model, samples, pad_to, answered))
+                self._feed()
+
+            loop.call_soon_threadsafe(enqueue)
+            return result.result()
         runner = self._runners.get()
         try:
             return runner.run(model, samples, pad_to)

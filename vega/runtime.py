@@ -123,6 +123,7 @@ class Runtime:
             torch.set_num_threads(s.torch_threads)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.executor.load, self.device)
+        self.executor.bind(loop)
         for adapter in self._adapters:
             batcher = Batcher(BatcherConfig.from_settings(s, adapter.name, adapter.max_length,
                                                          hands_off=bool(s.redis_url)),

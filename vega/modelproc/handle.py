@@ -1,18 +1,22 @@
 """The parent's side of one model process: start it, run batches on it, restart it.
 
-A handle has ``lanes`` shared-memory slots, each driven by one executor thread at a
-time (``ModelProcess.lanes``): a lane packs its batch into its slot, sends the header
-and waits (without the GIL) for the answer. With two lanes the batch formed ahead is
-already in the child's pipe when the running one ends, so the child goes from one
-forward pass to the next without waiting on the parent's threads. The child answers
-in the order it was sent; a lane reads its answer only once the batches sent before it
-were answered. A child that dies or runs past ``timeout_s`` fails the batches it held;
-the handle then restarts it in the background with backoff and is unavailable until
-it is warm.
+A handle has ``lanes`` shared-memory slots (``ModelProcess.lanes``). A batch is packed
+into a free lane's slot and its header sent down the pipe; the child answers in the
+order it was sent. With two lanes the batch formed ahead is already in the child's pipe
+when the running one ends, so the child goes from one forward pass to the next without
+waiting on the parent.
+
+Two ways to drive it, one per life of the child: from the event loop (``submit``: the
+loop packs, sends, and reads the answers when the pipe turns readable, so no thread of
+this process wakes for a batch or contends with the loop for the GIL), or from threads
+(``run``, blocking: warm-up before serving and ``vega profile``). A child that dies or
+runs past ``timeout_s`` fails the batches it held; the handle then restarts it in the
+background with backoff and is unavailable until it is warm.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import os
@@ -21,7 +25,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
@@ -56,6 +62,19 @@ class ProcessPlan:
     lanes: int = 2  # batches the child may hold at once: one running, one waiting in its pipe
 
 
+# Called on the loop with a batch's outputs and the seconds it held the child, or its error.
+Answered = Callable[[list[Any] | None, float, BaseException | None], None]
+
+
+@dataclass
+class _Sent:
+    """A batch sent from the loop, not answered yet."""
+
+    lane: int
+    answered: Answered
+    sent_at: float
+
+
 @dataclass
 class _Life:
     """One life of the child: its pipe, and the batches sent and answered on it."""
@@ -65,6 +84,13 @@ class _Life:
     sent: int = 0
     answered: int = 0
     answered_at: float = 0.0  # perf_counter when the last answer was read
+    # Driven from the loop: the pipe's reading end there (a dup, so that the watcher
+    # thread closing ``conn`` never closes an fd the loop's selector holds), the batches
+    # in the child in sending order, and the timer on the oldest.
+    reader: Connection | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    in_child: deque[_Sent] = field(default_factory=deque)
+    timer: asyncio.TimerHandle | None = None
 
 
 class ModelProcess:
@@ -108,9 +134,10 @@ class ModelProcess:
         if not self._up.is_set() or life is None:
             raise VegaError("not_ready", "the model process is restarting",
                             retry_after_ms=1000.0 * self._backoff_s())
+        if life.loop is not None:
+            raise RuntimeError("this model process is driven from an event loop")
         buffer = self._slots[lane]
-        header = slot.pack(buffer, samples)
-        message = orjson.dumps({"model": model, "pad_to": pad_to, "slot": lane, **header})
+        message = self._pack(lane, model, samples, pad_to)
         try:
             with self._send_lock:
                 life.conn.send_bytes(message)
@@ -136,6 +163,120 @@ class ModelProcess:
             raise RuntimeError(str(reply.get("error", "model failed")))
         outputs = slot.unpack(buffer if payload is None else payload, reply, copy=True)
         return outputs, time.perf_counter() - started
+
+    def _pack(self, lane: int, model: str, samples: list[Any], pad_to: int) -> bytes:
+        """Write the samples into slot ``lane``; the header that sends them to the child."""
+        header = slot.pack(self._slots[lane], samples)
+        return orjson.dumps({"model": model, "pad_to": pad_to, "slot": lane, **header})
+
+    # -- driven from the event loop ----------------------------------------------------
+
+    def submit(self, lane: int, model: str, samples: list[Any], pad_to: int,
+               answered: Answered) -> None:
+        """Send one batch through slot ``lane`` from the running loop; ``answered`` is
+        called on the loop once the child answers or fails it (never before this returns).
+
+        Raises VegaError(not_ready) while the child restarts, and the slot's errors for
+        samples that cannot cross (then nothing was sent)."""
+        life = self._life
+        if self._up.is_set() and life is not None and life.loop is None:
+            self._attach(life, asyncio.get_running_loop())  # this life's first batch
+        # (A life lost to the loop has no reader; its watcher has not replaced it yet.)
+        if not self._up.is_set() or life is None or life.reader is None:
+            raise VegaError("not_ready", "the model process is restarting",
+                            retry_after_ms=1000.0 * self._backoff_s())
+        message = self._pack(lane, model, samples, pad_to)
+        life.in_child.append(_Sent(lane, answered, time.perf_counter()))
+        try:
+            # A few hundred bytes, at most ``lanes`` unread: the socket buffer takes it
+            # without blocking the loop.
+            with self._send_lock:
+                life.conn.send_bytes(message)
+                life.sent += 1
+        except OSError as error:
+            asyncio.get_running_loop().call_soon(
+                self._lost, life, f"died during a batch ({type(error).__name__})")
+            return
+        if len(life.in_child) == 1:
+            self._arm(life)
+
+    @property
+    def in_child(self) -> int:
+        """Batches sent from the loop and not answered yet."""
+        life = self._life
+        return len(life.in_child) if life is not None else 0
+
+    def _attach(self, life: _Life, loop: asyncio.AbstractEventLoop) -> None:
+        life.loop = loop
+        life.reader = Connection(os.dup(life.conn.fileno()), writable=False)
+        loop.add_reader(life.reader.fileno(), self._readable, life)
+
+    def _arm(self, life: _Life) -> None:
+        assert life.loop is not None
+        life.timer = life.loop.call_later(
+            self.plan.timeout_s, self._lost, life,
+            f"gave no answer within {self.plan.timeout_s:g} s")
+
+    def _readable(self, life: _Life) -> None:
+        reader = life.reader
+        if reader is None:
+            return  # lost within this turn of the loop
+        if self._closed or not life.in_child:
+            self._lost(life, "exited")  # EOF: it wrote nothing unasked
+            return
+        try:
+            reply = orjson.loads(reader.recv_bytes())
+            # The child writes an inline payload right after its header.
+            payload = reader.recv_bytes() if reply.get("inline") else None
+        except (EOFError, OSError) as gone:
+            self._lost(life, f"died during a batch ({type(gone).__name__})")
+            return
+        now = time.perf_counter()
+        sent = life.in_child.popleft()
+        started = max(sent.sent_at, life.answered_at)  # it waited behind the one before
+        life.answered_at = now
+        life.answered += 1
+        if life.timer is not None:
+            life.timer.cancel()
+            life.timer = None
+        if life.in_child:
+            self._arm(life)
+        outputs: list[Any] | None = None
+        error: BaseException | None = None
+        if not reply.get("ok"):
+            error = RuntimeError(str(reply.get("error", "model failed")))
+        else:
+            try:
+                buffer = self._slots[sent.lane] if payload is None else payload
+                outputs = slot.unpack(buffer, reply, copy=True)
+            except (slot.SlotOverflow, TypeError, KeyError, ValueError) as bad:
+                error = bad
+        # The child's own clock: read here, the time would also count how late the
+        # loop came to the pipe, and the batch-time predictor would learn that lateness.
+        held_s = reply.get("infer_s")
+        if not isinstance(held_s, (int, float)) or held_s < 0:
+            held_s = now - started
+        sent.answered(outputs, float(held_s), error)
+
+    def _lost(self, life: _Life, why: str) -> None:
+        """This life of the child is over for the loop: fail what it held, stop reading."""
+        if life.reader is None:
+            return  # already lost
+        assert life.loop is not None
+        if life.timer is not None:
+            life.timer.cancel()
+        life.loop.remove_reader(life.reader.fileno())
+        life.reader.close()
+        life.reader = None  # a timer and the pipe's EOF may both report the one loss
+        if life is self._life:
+            self._up.clear()
+        if life.process.poll() is None:
+            life.process.kill()  # its watcher sees it go and restarts it
+        held, life.in_child = list(life.in_child), deque()
+        if held:  # one that died idle is logged by its watcher
+            log.error("model process %d (pid %s) %s", self.index, life.process.pid, why)
+        for sent in held:
+            sent.answered(None, 0.0, ModelProcessError(f"model process {why}"))
 
     def close(self) -> None:
         """Stop the child (it exits when its pipe closes) and free the slot."""
