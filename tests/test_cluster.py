@@ -274,8 +274,8 @@ def default_pair(vega: Callable[..., VegaProcess], redis_url: str
 @pytest.mark.exclusive
 async def test_at_the_defaults_an_idle_peer_takes_the_work_before_anyone_is_refused(
         redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
-    # 12 callers keep 12 items queued at A: 120 ms of A's own work, past the 100-ms
-    # interval (A alone refuses, see the next test), 60 ms of the pair's.
+    # 12 callers keep up to 8 items queued behind A's running batch: 80 ms of A's own
+    # work, near its 100-ms interval, 40 ms of the pair's.
     a, b = default_pair(vega, redis_server.url)
     values = [float(i % 50) for i in range(240)]
     responses = await send_default(a.url, values, concurrency=12)
@@ -297,7 +297,9 @@ async def test_with_redis_stopped_admission_falls_back_to_the_local_rule_at_once
     await asyncio.to_thread(wait_until, lambda: metric(a, "vega_redis_up") == 0, 5, "A to notice")
     assert lent(a) == 0
     values = [float(i % 50) for i in range(160)]
-    counts = outcomes(await send_default(a.url, values, concurrency=16))
+    # 24 callers keep ~20 items queued at A, twice the 100-ms interval of its own work (16
+    # sat so near it that one CI run on shared cores saw no refusal at all).
+    counts = outcomes(await send_default(a.url, values, concurrency=24))
     assert counts["ok"] > 0 and counts["queue_full"] + counts["shed"] > 0, counts
     assert set(counts) <= {"ok", "queue_full", "shed"}, counts
     assert metric(a, "vega_requests_total") == 160  # every request answered, once
@@ -361,6 +363,14 @@ async def test_equal_load_through_nginx_does_not_bounce_batches(
     # peer claimed in time is deleted unread before its origin runs it: no item ran twice.
     ran = [i for i in ledger(str(ledger_path)) if i in set(ids)]
     assert len(ran) == len(set(ran)), sorted(i for i in set(ran) if ran.count(i) > 1)
-    handed = sum(metric(p, "vega_overflow_batches_total", direction="out") for p in (a, b))
+    # A heartbeat now and then says the peer's thread is free when by the time the offer
+    # lands it is not: that offer is taken back unread, at no cost to its callers, and on
+    # two shared cores up to about a third of batches are offered so. Bouncing would
+    # offer nearly every batch and run many of them at the other process.
+    def overflow(direction: str) -> float:
+        return sum(metric(p, "vega_overflow_batches_total", direction=direction) for p in (a, b))
     batches = sum(metric(p, "vega_batch_size_count", model="echo") for p in (a, b))
-    assert handed <= 0.35 * batches, (handed, batches)  # bouncing would hand off nearly all
+    assert overflow("in") <= 0.1 * batches, (overflow("in"), batches)
+    assert overflow("out") <= 0.5 * batches, (overflow("out"), batches)
+    taken_back = sum(metric(p, "vega_overflow_events_total", event="taken_back") for p in (a, b))
+    assert overflow("out") - overflow("in") <= taken_back, (overflow("out"), taken_back)

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from tests.infra import RedisServer
 from tests.models import echo, window
 from vega.channel.keys import dlq_key, done_key, node_key, overflow_key, reply_key
+from vega.channel.link import stop_tasks
 from vega.channel.wire import (
     Overflow,
     Reply,
@@ -159,13 +160,17 @@ async def test_heartbeat_is_written_with_a_ttl(runtime: Runtime,
         await client.aclose()
 
 
-def ghost_peer_only(runtime: Runtime) -> Streams:
-    """The runtime's streams with no thief of its own and a peer that never steals."""
+async def ghost_peer_only(runtime: Runtime) -> Streams:
+    """The runtime's streams with no thief of its own and a peer that never steals.
+
+    The thief is stopped and awaited, not only cancelled: a cancellation can be lost in
+    redis-py's blocking read, and a read still blocked in Redis would take the next entry
+    (then nobody answers it). The round trip after lets Redis see that connection close."""
     streams = runtime.streams
     assert streams is not None
-    for task in streams._tasks:  # nobody will steal: the origin's timer must answer
-        if task.get_name().startswith("streams-steal"):
-            task.cancel()
+    thieves = [task for task in streams._tasks if task.get_name().startswith("streams-steal")]
+    assert thieves and not await stop_tasks(thieves, timeout_s=5.0)
+    await streams.cmd.ping()
     streams.peers = [{"node": "ghost", "models": ["echo"], "stealing": True, "spare": {"echo": 1}}]
     return streams
 
@@ -179,10 +184,14 @@ def one_window_batch(runtime: Runtime, deadline_s: float) -> tuple[Batch, Item]:
 
 
 async def check_an_unclaimed_hand_off_is_taken_back(runtime: Runtime) -> None:
-    """A batch offered to a peer that never steals is taken back and answered here."""
-    streams = ghost_peer_only(runtime)
+    """A batch offered to a peer that never steals is taken back and answered here.
+
+    The origin looks once it would have started the batch itself (``local_wait_s``), finds
+    the entry unread and deletes it: taken back with most of the deadline left, so a late
+    timer in a busy test process cannot turn the answer into a 504."""
+    streams = await ghost_peer_only(runtime)
     batch, item = one_window_batch(runtime, 0.3)
-    assert await streams.offer(batch, local_wait_s=1.0)
+    assert await streams.offer(batch, local_wait_s=0.02)
     output = await asyncio.wait_for(item.future, 1.0)
     assert output[0] == pytest.approx(16.0)
     assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 1
@@ -197,7 +206,7 @@ async def test_a_batch_taken_back_before_its_xadd_returns_is_left_to_no_thief(
         runtime: Runtime, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The origin's timer may take a batch back while its XADD is on its way (a slow Redis);
     the entry written after that is marked done and deleted, so no thief runs it again."""
-    streams = ghost_peer_only(runtime)
+    streams = await ghost_peer_only(runtime)
     real_xadd = streams.cmd.xadd
 
     async def slow_xadd(*args: Any, **kwargs: Any) -> Any:
