@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from redis import exceptions as rexc
@@ -87,7 +87,7 @@ def log_end(task: asyncio.Future[Any]) -> None:
         log.error("overflow task died: %r", task.exception(), exc_info=task.exception())
 
 
-async def stop_tasks(tasks: list[asyncio.Future[Any]], timeout_s: float) -> set[Any]:
+async def stop_tasks(tasks: Iterable[asyncio.Future[Any]], timeout_s: float) -> set[Any]:
     """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end; those still running.
 
     A cancellation can be lost inside redis-py's blocking reads (redis/redis-py#2028):
