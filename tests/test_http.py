@@ -166,6 +166,8 @@ async def test_status_models_metrics_and_health(echo: httpx.AsyncClient) -> None
     assert status["ready"] is True
     assert set(status["models"]["echo"]["depth"]) == {"critical", "normal", "sheddable"}
     assert status["models"]["echo"]["service_rate_items_per_s"] > 0
+    assert status["models"]["echo"]["standing_queue"] is False
+    assert status["models"]["echo"]["queue_behind"] is False
     models = (await echo.get("/v1/models")).json()["models"]
     assert models[0]["name"] == "echo" and models[0]["inputs"][0]["shape"] == [-1, 8]
     metrics = (await echo.get("/metrics")).text

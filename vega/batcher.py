@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vega.buckets import shares
 from vega.config import Settings, length_bounds
 from vega.errors import VegaError
 from vega.queues import Queues, first_live
@@ -88,6 +89,7 @@ class Batcher(Queues):
         # Each batch in flight, with when it is predicted to start and to end (loop clock).
         self._inflight: dict[asyncio.Future[None], tuple[float, float]] = {}
         self._shed_at: float | None = None  # when a standing queue last shed a stale item
+        self._drained_at: float | None = None  # when a batch last emptied its inline buckets
         self.padded_steps = 0  # padding run through the model so far, in timesteps
         self.batch_steps = 0  # every timestep run, padding included
 
@@ -131,8 +133,20 @@ class Batcher(Queues):
         return len(self.config.buckets) - 1
 
     def standing(self, now: float) -> bool:
+        """The queue has not emptied for an interval (rule 5): admission keeps it short."""
         since = self._nonempty_since
         return since is not None and now - since > self.config.standing_after_s
+
+    def behind(self, now: float) -> bool:
+        """A standing queue in which no batch formed within the interval took every item
+        of its buckets: the batches are not keeping up, so stale items are shed.
+
+        With length buckets the queue as a whole may never empty under a load the server
+        carries: each bucket waits its turn and is emptied by its batch, and an item that
+        waits a little past the interval for that turn is still served."""
+        drained = self._drained_at
+        return self.standing(now) and \
+            (drained is None or now - drained > self.config.standing_after_s)
 
     def newest_first(self, now: float) -> bool:
         """While a standing queue has shed within the interval: newest first (rule 5).
@@ -141,7 +155,7 @@ class Batcher(Queues):
         out the interval; newest first would make its oldest wait it out and be shed."""
         shed_at = self._shed_at
         return shed_at is not None and now - shed_at < self.config.standing_after_s \
-            and self.standing(now)
+            and self.behind(now)
 
     async def wait_idle(self) -> None:
         """Return once nothing is queued or in flight (for drain)."""
@@ -282,7 +296,7 @@ class Batcher(Queues):
         return (1, -items / seconds if seconds > 0 else oldest)
 
     def _form(self, bucket: int, now: float) -> Batch:
-        standing = self.standing(now)
+        standing = self.behind(now)
         if standing:
             self._sweep_stale(bucket, now)
         lifo = self.newest_first(now)
@@ -292,8 +306,11 @@ class Batcher(Queues):
         run = self._freeing_run()  # formed ahead, it starts once the running batch ends
         finish = (now if run is None else max(now, run[1])) + self.times.predict(top, size)
         items: list[Item] = []
+        lane, depth = self._lane()  # depth: the live counts, which the takes lower
         for source, count in shares.items():
             self._take(source, count, items, finish, now, lifo, standing)
+        if lane is INLINE and not any(depth[source] for source in shares):
+            self._drained_at = now
         pad_to = max((item.length for item in items), default=0)
         return Batch(model=self.config.model, bucket=top, items=items, formed_at=now,
                      pad_to=pad_to)
@@ -306,38 +323,11 @@ class Batcher(Queues):
         return JOBS, self._job_bucket_depth
 
     def _shares(self, bucket: int) -> dict[int, int]:
-        """How many items each bucket gives the batch formed for ``bucket``.
-
-        A partial batch takes in the nearest non-empty bucket on either side while adding
-        its items, padded, is predicted to cost less than their share of the batch they
-        would join if left (the rest of the queue, up to a full batch): measured costs decide.
-        """
+        """How many items each bucket gives the batch formed for ``bucket`` (the merge
+        rule: vega.buckets.shares)."""
         lane, depth = self._lane()
         cap = self._job_cap(bucket) if lane is JOBS else self.config.max_batch_size
-        size = min(cap, depth[bucket])
-        shares = {bucket: size}
-        low = high = bucket
-        predict = self.times.predict
-        while size < cap:
-            best: tuple[float, int, int] | None = None
-            below = next((b for b in range(low - 1, -1, -1) if depth[b]), None)
-            above = next((b for b in range(high + 1, len(depth)) if depth[b]), None)
-            for other in (below, above):
-                if other is None:
-                    continue
-                count = min(cap - size, depth[other])
-                left = min(cap, max(count, sum(depth) - size))  # the batch they would join
-                saved = predict(high, size) + count * predict(other, left) / left \
-                    - predict(max(high, other), size + count)
-                if saved > 0 and (best is None or saved > best[0]):
-                    best = (saved, other, count)
-            if best is None:
-                break
-            _, other, count = best
-            shares[other] = count
-            size += count
-            low, high = min(low, other), max(high, other)
-        return shares
+        return shares(bucket, depth, cap, self.times.predict)
 
     def job_items_per_s(self) -> float:
         """Job items run per second of a free thread's time: the measured service rate,

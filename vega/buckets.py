@@ -11,7 +11,7 @@ batcher), so fine buckets do not leave batches small at a short queue.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from vega.timing import BatchTimes, Line
 
@@ -70,3 +70,38 @@ def line_at(bounds: Sequence[int], times: BatchTimes, length: int) -> Line:
 
 def per_item_s(bounds: Sequence[int], times: BatchTimes, length: int, size: int) -> float:
     return line_at(bounds, times, length).at(size) / size
+
+
+def shares(bucket: int, depth: Sequence[int], cap: int,
+           predict: Callable[[int, int], float]) -> dict[int, int]:
+    """How many items each bucket gives the batch formed for ``bucket``.
+
+    ``depth`` is the items queued per bucket, ``cap`` the batch's largest size and
+    ``predict(bucket, size)`` a batch's predicted seconds. A partial batch takes in the
+    nearest non-empty bucket on either side while adding its items, padded, is predicted
+    to cost less than their share of the batch they would join if left (the rest of the
+    queue, up to a full batch): measured costs decide.
+    """
+    size = min(cap, depth[bucket])
+    taken = {bucket: size}
+    low = high = bucket
+    while size < cap:
+        best: tuple[float, int, int] | None = None
+        below = next((b for b in range(low - 1, -1, -1) if depth[b]), None)
+        above = next((b for b in range(high + 1, len(depth)) if depth[b]), None)
+        for other in (below, above):
+            if other is None:
+                continue
+            count = min(cap - size, depth[other])
+            left = min(cap, max(count, sum(depth) - size))  # the batch they would join
+            saved = predict(high, size) + count * predict(other, left) / left \
+                - predict(max(high, other), size + count)
+            if saved > 0 and (best is None or saved > best[0]):
+                best = (saved, other, count)
+        if best is None:
+            return taken
+        _, other, count = best
+        taken[other] = count
+        size += count
+        low, high = min(low, other), max(high, other)
+    return taken

@@ -227,8 +227,9 @@ class Settings:
         "Safety margin added to predicted completion in deadline checks.")
     codel_interval_ms: float = setting("100", _float(1), "a number >= 1",
         "Non-critical items join the queue only while the work ahead of them is "
-        "under this; a queue that has not emptied for this long is a standing queue: "
-        "serve newest first and refuse non-critical items older than this.")
+        "under this; a queue that has not emptied for this long is a standing queue, and "
+        "while no batch in it took every item of its buckets, serve newest first and refuse "
+        "non-critical items older than this.")
     codel_target_ms: float = setting("5", _float(0), "a number >= 0",
         "Under a standing queue, non-critical items join only while the work ahead is "
         "below this (or two full batches, if more).")

@@ -50,6 +50,7 @@ class Reporter:
 
     def status(self) -> dict[str, Any]:
         models = {}
+        now = asyncio.get_running_loop().time()
         for name, served in self.rt.models.items():
             b = served.batcher
             models[name] = {
@@ -57,7 +58,8 @@ class Reporter:
                 "inflight_batches": b.inflight,
                 "service_rate_items_per_s": round(b.rate.items_per_s, 1),
                 "backlog_ms": round(1000 * b.backlog_s(), 2),
-                "standing_queue": b.standing(asyncio.get_running_loop().time()),
+                "standing_queue": b.standing(now),
+                "queue_behind": b.behind(now),  # sheds what waited out the interval
                 "peer_threads_lent": self.rt.lent(name),
                 "refused_while_peers_had_room": served.admission.refused_with_room,
                 "length_buckets": list(b.config.buckets),

@@ -406,6 +406,39 @@ async def test_a_queue_that_never_empties_but_keeps_up_is_served_oldest_first(
     assert [b.items[0].id for b in sink.batches] == answers
 
 
+@pytest.mark.parametrize(("lengths", "behind"), [((40, 400), False), ((10, 10), True)])
+async def test_an_item_past_the_interval_is_shed_only_where_batches_leave_their_bucket(
+        running: Start, lengths: tuple[int, int], behind: bool) -> None:
+    # The queue as a whole never empties, and the last item waits past the interval.
+    # Mixed lengths at a load the server carries: each batch takes every item of its
+    # bucket, and that item only waited its bucket's turn: late, not stale, so served.
+    # One length: each batch leaves items of its own bucket queued; the batches are not
+    # keeping up, and what waited out the interval is shed.
+    sink = SteppedSink()
+    batcher, _ = running(sink, max_inflight=1, max_batch_size=1, max_wait_s=0.0,
+                         standing_after_s=0.1)
+    loop = asyncio.get_running_loop()
+    first = item(batcher)  # runs at once
+    await asyncio.sleep(0.01)
+    second, last = (item(batcher, length=length) for length in lengths)
+    await asyncio.sleep(0.05)
+    sink.released.release()  # the second runs
+    await asyncio.sleep(0.06)
+    fresh = item(batcher)
+    now = loop.time()
+    assert batcher.standing(now) and batcher.behind(now) is behind
+    assert now - last.enqueued_at > 0.1
+    for _ in range(3):
+        sink.released.release()
+    served = [first, second, fresh] if behind else [first, second, last, fresh]
+    answers = await asyncio.wait_for(asyncio.gather(*(i.future for i in served)), 5)
+    assert answers == [i.id for i in served]
+    if behind:
+        with pytest.raises(VegaError) as caught:
+            await last.future
+        assert caught.value.code == "shed"
+
+
 async def test_wait_idle_returns_only_when_everything_is_answered(running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()

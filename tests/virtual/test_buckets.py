@@ -13,7 +13,7 @@ from tests.virtual.test_batcher import (
     item,
 )
 from vega.batcher import Batcher
-from vega.buckets import line_at, per_item_s, plan_bounds
+from vega.buckets import line_at, per_item_s, plan_bounds, shares
 from vega.timing import BatchTimes
 from vega.warmup import rebucketed
 
@@ -73,6 +73,19 @@ def test_lines_between_measured_bounds_are_interpolated_by_length() -> None:
     assert line.fixed_s == pytest.approx(0.003) and line.per_item_s == pytest.approx(0.002)
     assert line_at(BOUNDS, times, 8).per_item_s == pytest.approx(0.0001)  # below: the first
     assert line_at(BOUNDS, times, 512).fixed_s == pytest.approx(0.004)
+
+
+def test_a_short_queue_s_neighbours_share_a_batch_a_deep_one_s_do_not() -> None:
+    # 5 ms a batch, plus 0.1 ms (bucket 0) or 0.2 ms (bucket 1) an item.
+    def predict(bucket: int, size: int) -> float:
+        return 0.005 + (0.0001, 0.0002)[bucket] * size
+
+    # Four items each: apart, bucket 1's would pay a batch's fixed cost for themselves.
+    assert shares(0, [4, 4], 32, predict) == {0: 4, 1: 4}
+    # Beside 30 of bucket 0's items, padding those to bucket 1's bound costs more than
+    # the pass bucket 1's items would otherwise need.
+    assert shares(0, [30, 4], 32, predict) == {0: 30}
+    assert shares(1, [0, 4], 32, predict) == {1: 4}  # nothing queued beside it
 
 
 async def test_a_rebucketed_batcher_predicts_from_the_measured_lines() -> None:
