@@ -273,6 +273,42 @@ def test_command_reports_jobs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "VEGA_JOBS_MAX_DEPTH" in capsys.readouterr().err
 
 
+def test_closed_loop_keeps_its_callers_busy_and_honours_retry_after(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    latency = tmp_path / "profile.json"
+    latency.write_text(json.dumps(PROFILE))
+    parser = argparse.ArgumentParser()
+    simulate.configure(parser)
+
+    def closed(*flags: str) -> dict[str, Any]:
+        args = ["--latency", str(latency), "--mode", "closed", "--duration-s", "2",
+                "--mix", "normal=1", "--no-plots", "--seed", "2", "--out", str(tmp_path)]
+        assert simulate.run(parser.parse_args(args + list(flags))) == 0
+        report: dict[str, Any] = json.loads((tmp_path / "report.json").read_text())
+        return report
+
+    # 16 callers, each sending again 1 ms after its answer: never more than 16 queued,
+    # and every request answered; the run lasts its 2 s plus the last answers.
+    light = closed("--connections", "16", "--round-trip-ms", "1")
+    assert (light["meta"]["mode"], light["meta"]["loop"]) == ("simulate", "closed")
+    assert outcomes(light) == {"200": light["summary"]["offered"]}
+    assert light["queue"]["max_depth"]["normal"] <= 16
+    assert light["summary"]["offered"] > 16 * 2.0 / 0.02  # cycles well under 20 ms
+    # 1024 callers on ~3,200/s: a refused caller comes back after Retry-After (whole
+    # seconds, at least 1), so each is refused at most once a second, and what a
+    # caller that comes back 50 ms after a refusal sends is several times more.
+    polite = closed("--connections", "1024", "--honor-retry-after")
+    refused = polite["summary"]["offered"] - outcomes(polite)["200"]
+    assert 0 < refused <= 1024 * 3
+    assert outcomes(polite)["200"] > 0.7 * CAPACITY * 2
+    eager = closed("--connections", "1024", "--round-trip-ms", "50")
+    assert eager["summary"]["offered"] > 3 * polite["summary"]["offered"]
+    capsys.readouterr()
+    assert simulate.run(parser.parse_args(["--latency", str(latency), "--mode", "closed",
+                                           "--can-wait", "0.2"])) == simulate.EXIT_CONFIG
+    assert "can-wait" in capsys.readouterr().err
+
+
 def test_command_refuses_a_bad_setting(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                        ) -> None:
     latency = tmp_path / "profile.json"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field
 
 from vega.admission import PENDING_PER_SPARE, Admission, AdmissionConfig
@@ -38,16 +38,22 @@ OUTCOME_INDEX = {name: index for index, name in enumerate(OUTCOMES)}
 PENDING = -1
 
 
+# Called with a request's index, outcome and Retry-After (seconds; 0: none) once it ends.
+Finished = Callable[[int, str, float], None]
+
+
 class Requests:
     """Per-request results, one slot per arrival: outcome, process, and finish time; and
-    how many admitted requests and jobs are still open."""
+    how many admitted requests and jobs are still open. A closed loop adds its requests
+    as it sends them (``add``) and hears of each end (``on_finish``)."""
 
-    def __init__(self, t_s: Sequence[float]) -> None:
+    def __init__(self, t_s: MutableSequence[float]) -> None:
         self.t_s = t_s
         n = len(t_s)
         self.outcome = [PENDING] * n
         self.process = [0] * n
         self.done_s = [0.0] * n
+        self.on_finish: Finished | None = None
         self.open = 0
         self.jobs = 0
         self.all_sent = False
@@ -77,9 +83,21 @@ class Requests:
         if self.jobs == 0 and self.quiet is not None and not self.quiet.done():
             self.quiet.set_result(None)
 
-    def finish(self, index: int, outcome: str, now: float) -> None:
+    def add(self, t: float) -> int:
+        """A request sent at ``t``; returns its index."""
+        self.t_s.append(t)
+        self.outcome.append(PENDING)
+        self.process.append(0)
+        self.done_s.append(0.0)
+        return len(self.t_s) - 1
+
+    def finish(self, index: int, outcome: str, now: float,
+               error: VegaError | None = None) -> None:
         self.outcome[index] = OUTCOME_INDEX[outcome]
         self.done_s[index] = now
+        if self.on_finish is not None:
+            wait = error.headers().get("Retry-After", "0") if error is not None else "0"
+            self.on_finish(index, outcome, float(wait))
 
 
 @dataclass
@@ -186,7 +204,7 @@ class SimProcess:
             if can_wait and self.jobs is not None and error.code in TURNED:
                 self.jobs.submit(self.index, index, priority, length, error.code, now)
             else:
-                self.requests.finish(index, error.code, now)
+                self.requests.finish(index, error.code, now, error)
             return
         item = Item(model=batcher.config.model, sample=None, length=length, priority=priority,
                     deadline=deadline, future=loop.create_future(), bucket=bucket, cost=costs[0])
@@ -204,21 +222,22 @@ class SimProcess:
         if future.cancelled():
             return  # given up at its deadline: _expired recorded it
         error = future.exception()
+        refusal = error if isinstance(error, VegaError) else None
         if error is None:
             outcome = "ok"
         else:
-            outcome = error.code if isinstance(error, VegaError) else "model_error"
-        self._close(entry, outcome)
+            outcome = refusal.code if refusal is not None else "model_error"
+        self._close(entry, outcome, refusal)
 
     def _expired(self, entry: _Open) -> None:
         entry.timer = None
         if entry.item.future.cancel():  # as _await_items does once the deadline passes
             self._close(entry, "deadline_exceeded")
 
-    def _close(self, entry: _Open, outcome: str) -> None:
+    def _close(self, entry: _Open, outcome: str, error: VegaError | None = None) -> None:
         self.open -= 1
-        self.requests.finish(entry.index, outcome, self.loop.time())
         self.requests.process[entry.index] = self.index
+        self.requests.finish(entry.index, outcome, self.loop.time(), error)
         self.requests.closed()
 
     # -- the executor stand-in ------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import sys
 import time
@@ -56,6 +57,21 @@ class SimOptions:
     # Share of arrivals that may become jobs (drawn as vega bench does); the job lane's
     # bound and a job's ttl are the settings' VEGA_JOBS_MAX_DEPTH and VEGA_JOBS_DEFAULT_TTL_S.
     can_wait: float = 0.0
+    closed: Closed | None = None  # a closed loop instead of the arrivals given
+
+
+@dataclass
+class Closed:
+    """Closed-loop callers, as ``vega bench --mode closed`` drives them: each sends its
+    next request ``round_trip_s`` after its last answer (HTTP and the caller's own time,
+    not simulated otherwise), or once the Retry-After of a 429/503 has passed."""
+
+    connections: int
+    duration_s: float
+    priority: Sequence[int]  # the classes and lengths sent, in turn (drawn as vega bench draws)
+    length: Sequence[int]
+    honor_retry_after: bool = False
+    round_trip_s: float = 0.001
 
 
 @dataclass
@@ -72,17 +88,19 @@ class SimResult:
     jobs: SimJobs | None  # the job lanes, with work that can wait
 
 
-def simulate(options: SimOptions, t_s: Sequence[float], priority: Sequence[int],
-             length: Sequence[int]) -> SimResult:
-    """Run the arrivals through the simulated process(es); return every request's fate."""
+def simulate(options: SimOptions, t_s: list[float], priority: list[int],
+             length: list[int]) -> SimResult:
+    """Run the arrivals through the simulated process(es); return every request's fate.
+
+    With ``options.closed`` the lists start empty and the callers fill them."""
     started = time.perf_counter()
     result = simclock.run(_main(options, t_s, priority, length))
     result.wall_s = time.perf_counter() - started
     return result
 
 
-async def _main(options: SimOptions, t_s: Sequence[float], priority: Sequence[int],
-                length: Sequence[int]) -> SimResult:
+async def _main(options: SimOptions, t_s: list[float], priority: list[int],
+                length: list[int]) -> SimResult:
     loop = asyncio.get_running_loop()
     requests = Requests(t_s)
     rng = random.Random(options.seed)
@@ -105,9 +123,13 @@ async def _main(options: SimOptions, t_s: Sequence[float], priority: Sequence[in
     snapshots: list[dict[str, Any]] = []
     sampler = _Sampler(loop, procs, snapshots, options.snapshot_s, jobs)
     sampler.tick()
+    targets = procs[:1] if options.to_first else procs
     try:
-        await _drive(loop, procs[:1] if options.to_first else procs, requests, priority,
-                     length, deadlines, waits)
+        if options.closed is not None:
+            await _drive_closed(loop, options.closed, targets, requests, priority, length,
+                                deadlines)
+        else:
+            await _drive(loop, targets, requests, priority, length, deadlines, waits)
     finally:
         sampler.stop()
         if jobs is not None:
@@ -118,6 +140,26 @@ async def _main(options: SimOptions, t_s: Sequence[float], priority: Sequence[in
                      [_process_summary(p) for p in procs], loop.time(), 0.0, procs, jobs)
 
 
+class _LeastConn:
+    """Nginx ``least_conn``: the process with the fewest open requests, ties in turn."""
+
+    def __init__(self, procs: list[SimProcess]) -> None:
+        self.procs = procs
+        self.turn = 0
+
+    def __call__(self) -> SimProcess:
+        procs = self.procs
+        if len(procs) == 1:
+            return procs[0]
+        least = min(p.open for p in procs)
+        for step in range(len(procs)):
+            proc = procs[(self.turn + step) % len(procs)]
+            if proc.open == least:
+                self.turn = (proc.index + 1) % len(procs)
+                return proc
+        raise AssertionError("unreachable")
+
+
 async def _drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], requests: Requests,
                  priority: Sequence[int], length: Sequence[int], deadlines: list[float],
                  waits: Sequence[bool]) -> None:
@@ -126,19 +168,7 @@ async def _drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], reque
     n = len(t_s)
     requests.quiet = loop.create_future()
     position = 0
-    turn = 0
-
-    def pick() -> SimProcess:
-        nonlocal turn
-        if len(procs) == 1:
-            return procs[0]
-        least = min(p.open for p in procs)
-        for step in range(len(procs)):
-            proc = procs[(turn + step) % len(procs)]
-            if proc.open == least:
-                turn = (proc.index + 1) % len(procs)
-                return proc
-        raise AssertionError("unreachable")
+    pick = _LeastConn(procs)
 
     def arrivals() -> None:
         nonlocal position
@@ -156,6 +186,40 @@ async def _drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], reque
     if n == 0:
         return
     loop.call_at(t_s[0], arrivals)
+    await requests.quiet
+
+
+async def _drive_closed(loop: asyncio.AbstractEventLoop, closed: Closed,
+                        procs: list[SimProcess], requests: Requests, priority: list[int],
+                        length: list[int], deadlines: list[float]) -> None:
+    """``closed.connections`` callers, each sending again once answered, until the run's
+    time is up; then wait for every answer."""
+    pick = _LeastConn(procs)
+    end = loop.time() + closed.duration_s
+    drawn = itertools.cycle(zip(closed.priority, closed.length))
+    requests.quiet = loop.create_future()
+
+    def send() -> None:
+        if loop.time() >= end:
+            return
+        p, n = next(drawn)
+        priority.append(p)
+        length.append(n)
+        pick().arrive(requests.add(loop.time()), p, n, deadlines[p])
+
+    def finished(_index: int, outcome: str, retry_after_s: float) -> None:
+        status = STATUS_BY_CODE.get(outcome, 200)
+        wait = retry_after_s if closed.honor_retry_after and status in (429, 503) else 0.0
+        loop.call_later(closed.round_trip_s + wait, send)
+
+    def time_up() -> None:
+        requests.all_sent = True
+        requests.check_quiet()
+
+    requests.on_finish = finished
+    for _ in range(closed.connections):
+        loop.call_soon(send)
+    loop.call_at(end, time_up)
     await requests.quiet
 
 
@@ -258,9 +322,10 @@ TUNED = ("max_batch_size", "max_wait_ms", "length_buckets", "max_inflight_batche
 
 # The load generator's options that mean the same here: the same spec file or flags
 # give the same arrivals (same seed) to ``vega bench`` and ``vega simulate``.
-TRAFFIC_OPTIONS = ("spec", "profile", "process", "rate", "duration_s", "requests", "ramp_to",
-                   "steps", "burst_factor", "burst_at_s", "burst_s", "trace", "trace_speed",
-                   "mix", "lengths", "deadline_ms", "can_wait", "seed", "out", "plots")
+TRAFFIC_OPTIONS = ("spec", "mode", "profile", "process", "rate", "duration_s", "requests",
+                   "ramp_to", "steps", "burst_factor", "burst_at_s", "burst_s", "trace",
+                   "trace_speed", "connections", "honor_retry_after", "mix", "lengths",
+                   "deadline_ms", "can_wait", "seed", "out", "plots")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -304,6 +369,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--job-ttl-s", type=float,
                      help="how long a job waits to run before it expires, "
                           "VEGA_JOBS_DEFAULT_TTL_S for this run (default: the setting)")
+    sim.add_argument("--round-trip-ms", type=float, default=1.0,
+                     help="closed loop: from an answer to the caller's next request, HTTP "
+                          "included (default 1)")
     sim.add_argument("--snapshot-ms", type=float, default=100.0,
                      help="queue depth sampled this often, in virtual time (default 100)")
 
@@ -333,22 +401,48 @@ def run(args: argparse.Namespace) -> int:
                              overflow_after_ms=args.overflow_ms, steal_rtt_ms=args.steal_rtt_ms,
                              to_first=args.to_first, transport_ms=args.steal_transport_ms,
                              can_wait=traffic_options["can_wait"])
-        arrivals = traffic.plan(traffic_options, np.random.default_rng(seed))
+        options.closed = _closed(traffic_options, args.round_trip_ms, seed)
+        t_s: list[float] = []  # a closed loop's callers fill these lists as they send
+        priority: list[int] = []
+        length: list[int] = []
+        if options.closed is None:
+            arrivals = traffic.plan(traffic_options, np.random.default_rng(seed))
+            t_s, priority = arrivals.t_s.tolist(), arrivals.priority.tolist()
+            length = arrivals.length.tolist()
     except (ConfigError, ValueError, OSError, KeyError) as error:
         print(f"vega simulate: {error}", file=sys.stderr)
         return EXIT_CONFIG
-    result = simulate(options, arrivals.t_s.tolist(), arrivals.priority.tolist(),
-                      arrivals.length.tolist())
-    report = build(result, options, meta={k: traffic_options[k] for k in TRAFFIC_OPTIONS
-                                          if k not in ("out", "plots", "spec")})
+    result = simulate(options, t_s, priority, length)
+    meta = {k: traffic_options[k] for k in TRAFFIC_OPTIONS
+            if k not in ("out", "plots", "spec", "mode")}
+    report = build(result, options, meta=meta | {"loop": traffic_options["mode"]})
     out = Path(traffic_options["out"] or "out/simulate")
     write_json(report, out / "report.json")
     if traffic_options["plots"]:
         write_plots(report, out)
     print(format_summary(report))
-    print(f"simulated {len(arrivals)} requests, {result.virtual_s:.1f} s of virtual time, "
+    print(f"simulated {len(result.t_s)} requests, {result.virtual_s:.1f} s of virtual time, "
           f"in {result.wall_s:.1f} s of wall time; report in {out}/")
     return 0
+
+
+def _closed(options: dict[str, Any], round_trip_ms: float, seed: int) -> Closed | None:
+    """The closed loop ``--mode closed`` asks for; None for an open loop."""
+    from vega.lab import traffic
+
+    if options["mode"] != "closed":
+        return None
+    if options["can_wait"] > 0:
+        raise ValueError("--can-wait: the simulator's closed loop sends no work that can wait")
+    if options["connections"] < 1 or round_trip_ms < 0:
+        raise ValueError("--mode closed: expected --connections >= 1, --round-trip-ms >= 0")
+    # The load generator's own draw, so the same seed sends the same classes and lengths.
+    pool = traffic.draw(65536, traffic.parse_mix(str(options["mix"])),
+                        traffic.parse_lengths(str(options["lengths"])),
+                        np.random.default_rng(seed))
+    return Closed(int(options["connections"]), float(options["duration_s"]),
+                  pool[0].tolist(), pool[1].tolist(), bool(options["honor_retry_after"]),
+                  round_trip_ms / 1000)
 
 
 def deadlines_by_class(options: SimOptions) -> list[float]:
