@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import random
 import sys
 import time
@@ -31,6 +30,7 @@ from vega.errors import STATUS_BY_CODE
 from vega.lab import simclock
 from vega.lab.profile import LatencyModel
 from vega.lab.report import jobs_section
+from vega.lab.simdrive import Closed, drive, drive_closed
 from vega.lab.simjobs import SimJobs
 from vega.lab.simproc import OUTCOMES, Overflow, Requests, SimProcess
 from vega.lab.traffic import can_wait
@@ -58,20 +58,6 @@ class SimOptions:
     # bound and a job's ttl are the settings' VEGA_JOBS_MAX_DEPTH and VEGA_JOBS_DEFAULT_TTL_S.
     can_wait: float = 0.0
     closed: Closed | None = None  # a closed loop instead of the arrivals given
-
-
-@dataclass
-class Closed:
-    """Closed-loop callers, as ``vega bench --mode closed`` drives them: each sends its
-    next request ``round_trip_s`` after its last answer (HTTP and the caller's own time,
-    not simulated otherwise), or once the Retry-After of a 429/503 has passed."""
-
-    connections: int
-    duration_s: float
-    priority: Sequence[int]  # the classes and lengths sent, in turn (drawn as vega bench draws)
-    length: Sequence[int]
-    honor_retry_after: bool = False
-    round_trip_s: float = 0.001
 
 
 @dataclass
@@ -126,10 +112,10 @@ async def _main(options: SimOptions, t_s: list[float], priority: list[int],
     targets = procs[:1] if options.to_first else procs
     try:
         if options.closed is not None:
-            await _drive_closed(loop, options.closed, targets, requests, priority, length,
+            await drive_closed(loop, options.closed, targets, requests, priority, length,
                                 deadlines)
         else:
-            await _drive(loop, targets, requests, priority, length, deadlines, waits)
+            await drive(loop, targets, requests, priority, length, deadlines, waits)
     finally:
         sampler.stop()
         if jobs is not None:
@@ -138,89 +124,6 @@ async def _main(options: SimOptions, t_s: list[float], priority: list[int],
             await proc.stop()
     return SimResult(t_s, priority, length, requests, snapshots,
                      [_process_summary(p) for p in procs], loop.time(), 0.0, procs, jobs)
-
-
-class _LeastConn:
-    """Nginx ``least_conn``: the process with the fewest open requests, ties in turn."""
-
-    def __init__(self, procs: list[SimProcess]) -> None:
-        self.procs = procs
-        self.turn = 0
-
-    def __call__(self) -> SimProcess:
-        procs = self.procs
-        if len(procs) == 1:
-            return procs[0]
-        least = min(p.open for p in procs)
-        for step in range(len(procs)):
-            proc = procs[(self.turn + step) % len(procs)]
-            if proc.open == least:
-                self.turn = (proc.index + 1) % len(procs)
-                return proc
-        raise AssertionError("unreachable")
-
-
-async def _drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], requests: Requests,
-                 priority: Sequence[int], length: Sequence[int], deadlines: list[float],
-                 waits: Sequence[bool]) -> None:
-    """Hand each arrival to a process at its time (least_conn), then wait for every answer."""
-    t_s = requests.t_s
-    n = len(t_s)
-    requests.quiet = loop.create_future()
-    position = 0
-    pick = _LeastConn(procs)
-
-    def arrivals() -> None:
-        nonlocal position
-        now = loop.time()
-        while position < n and t_s[position] <= now:
-            p = priority[position]
-            pick().arrive(position, p, length[position], deadlines[p], waits[position])
-            position += 1
-        if position < n:
-            loop.call_at(t_s[position], arrivals)
-        else:
-            requests.all_sent = True
-            requests.check_quiet()
-
-    if n == 0:
-        return
-    loop.call_at(t_s[0], arrivals)
-    await requests.quiet
-
-
-async def _drive_closed(loop: asyncio.AbstractEventLoop, closed: Closed,
-                        procs: list[SimProcess], requests: Requests, priority: list[int],
-                        length: list[int], deadlines: list[float]) -> None:
-    """``closed.connections`` callers, each sending again once answered, until the run's
-    time is up; then wait for every answer."""
-    pick = _LeastConn(procs)
-    end = loop.time() + closed.duration_s
-    drawn = itertools.cycle(zip(closed.priority, closed.length))
-    requests.quiet = loop.create_future()
-
-    def send() -> None:
-        if loop.time() >= end:
-            return
-        p, n = next(drawn)
-        priority.append(p)
-        length.append(n)
-        pick().arrive(requests.add(loop.time()), p, n, deadlines[p])
-
-    def finished(_index: int, outcome: str, retry_after_s: float) -> None:
-        status = STATUS_BY_CODE.get(outcome, 200)
-        wait = retry_after_s if closed.honor_retry_after and status in (429, 503) else 0.0
-        loop.call_later(closed.round_trip_s + wait, send)
-
-    def time_up() -> None:
-        requests.all_sent = True
-        requests.check_quiet()
-
-    requests.on_finish = finished
-    for _ in range(closed.connections):
-        loop.call_soon(send)
-    loop.call_at(end, time_up)
-    await requests.quiet
 
 
 class _Sampler:
