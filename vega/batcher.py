@@ -296,8 +296,8 @@ class Batcher(Queues):
         return (1, -items / seconds if seconds > 0 else oldest)
 
     def _form(self, bucket: int, now: float) -> Batch:
-        standing = self.behind(now)
-        if standing:
+        behind = self.behind(now)
+        if behind:
             self._sweep_stale(bucket, now)
         lifo = self.newest_first(now)
         shares = self._shares(bucket)
@@ -308,7 +308,7 @@ class Batcher(Queues):
         items: list[Item] = []
         lane, depth = self._lane()  # depth: the live counts, which the takes lower
         for source, count in shares.items():
-            self._take(source, count, items, finish, now, lifo, standing)
+            self._take(source, count, items, finish, now, lifo, behind)
         if lane is INLINE and not any(depth[source] for source in shares):
             self._drained_at = now
         pad_to = max((item.length for item in items), default=0)
@@ -348,7 +348,7 @@ class Batcher(Queues):
         return size
 
     def _take(self, bucket: int, count: int, items: list[Item], finish: float, now: float,
-              lifo: bool, standing: bool) -> None:
+              lifo: bool, behind: bool) -> None:
         """Move up to ``count`` live items of ``bucket`` into ``items``, critical first."""
         taken = 0
         lane, _ = self._lane()
@@ -359,7 +359,7 @@ class Batcher(Queues):
                     continue
                 self._count(item, -1)
                 item.dispatched_at = now
-                refusal = self._refuse_at_dispatch(item, finish, now, standing)
+                refusal = self._refuse_at_dispatch(item, finish, now, behind)
                 if refusal is not None:
                     item.future.set_exception(refusal)
                 else:
@@ -388,10 +388,10 @@ class Batcher(Queues):
                          retry_after_ms=1000 * max(self.backlog_s(), 0.05))
 
     def _refuse_at_dispatch(self, item: Item, finish: float, now: float,
-                            standing: bool) -> VegaError | None:
+                            behind: bool) -> VegaError | None:
         if item.deadline <= finish:
             return VegaError("deadline_exceeded", "deadline passed while queued")
-        if standing and item.priority != CRITICAL and \
+        if behind and item.priority != CRITICAL and \
                 now - item.enqueued_at > self.config.standing_after_s:
             return self._shed(now)
         return None

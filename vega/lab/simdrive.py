@@ -27,7 +27,6 @@ class Closed:
     round_trip_s: float = 0.001
 
 
-
 class LeastConn:
     """Nginx ``least_conn``: the process with the fewest open requests, ties in turn."""
 
@@ -49,8 +48,8 @@ class LeastConn:
 
 
 async def drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], requests: Requests,
-                 priority: Sequence[int], length: Sequence[int], deadlines: list[float],
-                 waits: Sequence[bool]) -> None:
+                priority: Sequence[int], length: Sequence[int], deadlines: list[float],
+                waits: Sequence[bool]) -> None:
     """Hand each arrival to a process at its time (least_conn), then wait for every answer."""
     t_s = requests.t_s
     n = len(t_s)
@@ -78,8 +77,8 @@ async def drive(loop: asyncio.AbstractEventLoop, procs: list[SimProcess], reques
 
 
 async def drive_closed(loop: asyncio.AbstractEventLoop, closed: Closed,
-                        procs: list[SimProcess], requests: Requests, priority: list[int],
-                        length: list[int], deadlines: list[float]) -> None:
+                       procs: list[SimProcess], requests: Requests, priority: list[int],
+                       length: list[int], deadlines: list[float]) -> None:
     """``closed.connections`` callers, each sending again once answered, until the run's
     time is up; then wait for every answer."""
     pick = LeastConn(procs)
