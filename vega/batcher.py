@@ -196,7 +196,7 @@ class Batcher(Queues):
             while True:
                 self._wake.clear()
                 wake_at = self.pump()
-                timer = loop.call_at(wake_at, self._wake.set) if wake_at is not None else None
+                timer = loop.call_at(wake_at, self._fall_due) if wake_at is not None else None
                 try:
                     await self._wake.wait()
                 finally:
@@ -204,6 +204,14 @@ class Batcher(Queues):
                         timer.cancel()
         finally:
             self._running = False  # stopped: a batch that finishes now starts no other
+
+    def _fall_due(self) -> None:
+        # What falls due is formed here, in the timer's own callback: the loop task woken
+        # through the event ran only after every handler already queued on the loop, and
+        # a batch formed ahead then reached a model process that had run out of work.
+        if self._running:
+            self.pump()
+        self._wake.set()  # the loop task recomputes its timer
 
     def pump(self) -> float | None:
         """Dispatch every batch that is due now; return when one next falls due by waiting.
