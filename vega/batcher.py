@@ -209,9 +209,11 @@ class Batcher(Queues):
         # What falls due is formed here, in the timer's own callback: the loop task woken
         # through the event ran only after every handler already queued on the loop, and
         # a batch formed ahead then reached a model process that had run out of work.
-        if self._running:
-            self.pump()
-        self._wake.set()  # the loop task recomputes its timer
+        try:
+            if self._running:
+                self.pump()
+        finally:
+            self._wake.set()  # the loop task recomputes its timer
 
     def pump(self) -> float | None:
         """Dispatch every batch that is due now; return when one next falls due by waiting.
