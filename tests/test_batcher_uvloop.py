@@ -60,7 +60,8 @@ async def _formed_or_handled_first() -> list[str]:
         loop.add_reader(reader.fileno(), readable)
         loop.call_later(WAIT_S / 2, writer.send, b"x")
         await asyncio.wait_for(item.future, 5)
-        while len(order) < 4:
+        until = loop.time() + 5
+        while len(order) < 4 and loop.time() < until:  # the handlers, one turn later
             await asyncio.sleep(0.001)
     finally:
         loop.remove_reader(reader.fileno())

@@ -196,7 +196,7 @@ class Batcher(Queues):
             while True:
                 self._wake.clear()
                 wake_at = self.pump()
-                timer = loop.call_at(wake_at, self._fall_due) if wake_at is not None else None
+                timer = loop.call_at(wake_at, self._pump_here) if wake_at is not None else None
                 try:
                     await self._wake.wait()
                 finally:
@@ -205,15 +205,18 @@ class Batcher(Queues):
         finally:
             self._running = False  # stopped: a batch that finishes now starts no other
 
-    def _fall_due(self) -> None:
-        # What falls due is formed here, in the timer's own callback: the loop task woken
-        # through the event ran only after every handler already queued on the loop, and
-        # a batch formed ahead then reached a model process that had run out of work.
+    def _pump_here(self) -> None:
+        """Start what is due now, in this callback (the timer's, a finished batch's), then
+        let the loop task recompute its timer.
+
+        Woken through the task instead, a batch waited behind every handler already
+        queued on the loop, and one formed ahead reached a model process that had run
+        out of work."""
         try:
             if self._running:
                 self.pump()
         finally:
-            self._wake.set()  # the loop task recomputes its timer
+            self._wake.set()
 
     def pump(self) -> float | None:
         """Dispatch every batch that is due now; return when one next falls due by waiting.
@@ -439,11 +442,7 @@ class Batcher(Queues):
             self.padded_steps += steps - sum(item.length for item in batch.items)
             self.times.observe(batch.bucket, batch.size, batch.infer_s)
             self.rate.observe(batch.size, sum(item.cost for item in batch.items), batch.infer_s)
-        # A thread is free: start what is due now, in this callback. Woken through the
-        # loop's task, the next batch would wait behind every handler this batch woke.
-        if self._running:
-            self.pump()
-        self._wake.set()  # the loop task recomputes its timer
+        self._pump_here()  # a thread is free: before the handlers this batch woke
         self._maybe_idle()
         if self._on_batch_done is not None:
             self._on_batch_done(batch)

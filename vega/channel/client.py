@@ -64,8 +64,10 @@ def connect(url: str, timeout_s: float, *, connect_timeout_s: float | None = Non
                         username=target.username, password=target.password, ssl=target.tls,
                         **common)
     if target.mode == SENTINEL:
-        sentinels = Sentinel(list(target.nodes), sentinel_kwargs={  # type: ignore[no-untyped-call, unused-ignore]
-            "socket_timeout": timeout_s, "socket_connect_timeout": connect_s, "ssl": target.tls})
+        own = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_s,
+               "ssl": target.tls}
+        sentinels = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed in 8.2
+            list(target.nodes), sentinel_kwargs=own)
         client: Redis = sentinels.master_for(
             target.service, db=target.db, username=target.username,
             password=target.password, ssl=target.tls, **common)
