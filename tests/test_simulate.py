@@ -416,11 +416,12 @@ async def test_simulator_matches_a_real_pair_with_all_traffic_to_one(
     to finish the batch it is running) and the default 2 ms for Redis's part of it.
 
     Each process serves 100 items/s (batches of 4 in 40 ms); the burst offers 1.5x the
-    pair's capacity for 2 s. Tolerance: the simulator's goodput within 20% of the real
-    pair's, and its share of batches run by B within 0.15 of the real one. Typical here:
-    goodput within 0-8%, B's share 0.46 against 0.47-0.48. About one real run in six
-    loses 13-16% of its goodput to offers B did not read before A took them back (B
-    idle meanwhile), which the simulator does not model; hence 20%, not 15%.
+    pair's capacity for 2 s. Tolerance: the simulator's goodput within 15% of the real
+    pair's, and its share of batches run by B within 0.15 of the real one. Typical here
+    (twenty runs): real goodput 146-150, the simulator's 0-10% below it, lowest when the
+    measured round trip is long (it includes the wait in the stream behind the batch B
+    is running, and the simulator adds it to every steal); B's share 0.48-0.49 against
+    0.38-0.49.
     """
     for key in ("TEST_SLEEP_MS", "TEST_PER_ITEM_MS"):
         monkeypatch.setenv(key, PAIR_ENV[key])
@@ -456,5 +457,5 @@ async def test_simulator_matches_a_real_pair_with_all_traffic_to_one(
               f"{sim_share:.2f} {s['counts_by_status']}")
     assert r["offered"] == s["offered"] and r["unsent"] == 0
     assert stolen > 0, report
-    assert within(s["goodput"], r["goodput"], 0.20), report
+    assert within(s["goodput"], r["goodput"], 0.15), report
     assert abs(sim_share - real_share) <= 0.15, report

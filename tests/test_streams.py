@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from tests.infra import RedisServer
 from tests.models import echo, window
-from vega.channel.keys import dlq_key, done_key, node_key, overflow_key, reply_key
+from vega.channel.keys import GROUP, dlq_key, done_key, node_key, overflow_key, reply_key
 from vega.channel.link import stop_tasks
 from vega.channel.wire import (
     Overflow,
@@ -229,3 +229,39 @@ async def test_a_batch_taken_back_before_its_xadd_returns_is_left_to_no_thief(
         assert [await client.get(key) for key in done] == [b"solo"]
     finally:
         await client.aclose()
+
+
+async def test_a_batch_taken_back_holds_a_thread_so_the_next_hand_off_waits_for_peers(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle process's thief reads its own hand-off back and runs it here, outside the
+    batcher's dispatch. While it runs the batcher counts it: no spare thread to lend, and
+    the thief leaves our next hand-off in the stream for peers instead of taking that back
+    too (each one behind the last on our thread while peers idle). Once the thread is
+    free, the thief takes the waiting one back as well."""
+    monkeypatch.setenv("TEST_SLEEP_MS", "600")  # a forward pass outlasts the checks below
+    async with solo_runtime(redis_server.url) as runtime:
+        streams, batcher = runtime.streams, runtime.models["echo"].batcher
+        assert streams is not None
+        taken_back = streams.metrics.overflow_events.labels("taken_back")
+        ghost = [{"node": "ghost", "models": ["echo"], "stealing": True, "spare": {"echo": 1}}]
+        first, first_item = one_window_batch(runtime, 10.0)
+        streams.peers = ghost  # until the next heartbeat finds no such peer
+        assert await streams.offer(first, local_wait_s=2.0)
+        for _ in range(100):
+            if taken_back._value.get() == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert taken_back._value.get() == 1  # read back by our own idle thief
+        assert (batcher.inflight, batcher.spare_threads) == (1, 0)
+
+        second, second_item = one_window_batch(runtime, 10.0)
+        streams.peers = ghost
+        assert await streams.offer(second, local_wait_s=2.0)
+        await asyncio.sleep(0.2)
+        assert taken_back._value.get() == 1 and not first_item.future.done()
+        pending = await streams.cmd.xpending(overflow_key("echo"), GROUP)
+        assert (await streams.cmd.xlen(overflow_key("echo")), pending["pending"]) == (1, 0)
+
+        assert (await asyncio.wait_for(first_item.future, 5.0))[0] == pytest.approx(16.0)
+        assert (await asyncio.wait_for(second_item.future, 5.0))[0] == pytest.approx(16.0)
+        assert taken_back._value.get() == 2 and batcher.inflight == 0

@@ -417,21 +417,41 @@ class Batcher(Queues):
         return sorted(self._inflight.values(), key=lambda run: run[1])[queued]
 
     def _dispatch(self, batch: Batch) -> None:
+        done = asyncio.ensure_future(self._sink(batch))
+        self._track(batch, done)
+        done.add_done_callback(functools.partial(self._finished, batch))
+
+    def hold(self, batch: Batch, done: asyncio.Future[None]) -> None:
+        """Count a batch of this process's own that runs here without having been
+        dispatched now: one taken back from peers. It holds a thread like any other, so
+        the predicted waits, the spare threads and idleness (which lets the thief steal,
+        even our own batch back) must see it until it ends."""
+        self._track(batch, done)
+        done.add_done_callback(self._released)
+
+    def _track(self, batch: Batch, done: asyncio.Future[None]) -> None:
         now = asyncio.get_running_loop().time()
         run = self._freeing_run()
         start = now if run is None else max(now, run[1])
-        done = asyncio.ensure_future(self._sink(batch))
         self._inflight[done] = (start, start + self.times.predict(batch.bucket, batch.size))
         self._idle.clear()
-        done.add_done_callback(functools.partial(self._finished, batch))
 
-    def _finished(self, batch: Batch, done: asyncio.Future[None]) -> None:
+    def _released(self, done: asyncio.Future[None]) -> None:
+        """A held batch ended: its thread is free (its caller answers and measures it)."""
+        self._untrack(done)
+        self._pump_here()
+        self._maybe_idle()
+
+    def _untrack(self, done: asyncio.Future[None]) -> None:
         _, end = self._inflight.pop(done)
         # A batch queued behind this one started when this one ended, not when predicted.
         late = asyncio.get_running_loop().time() - end
         for other, (start, other_end) in list(self._inflight.items()):
             if start >= end:
                 self._inflight[other] = (start + late, other_end + late)
+
+    def _finished(self, batch: Batch, done: asyncio.Future[None]) -> None:
+        self._untrack(done)
         error = None if done.cancelled() else done.exception()
         if error is not None:
             log.error("batch %d failed outside the model: %r", batch.id, error)

@@ -154,11 +154,12 @@ class Streams:
         await self.heart.leave()
         await self.cmd.aclose()
 
-    def _spawn(self, work: Awaitable[Any]) -> None:
+    def _spawn(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(work)
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
         task.add_done_callback(log_end)
+        return task
 
     # -- Redis up and down ---------------------------------------------------------
 
@@ -310,7 +311,9 @@ class Streams:
         now = asyncio.get_running_loop().time()
         run_s = self.models[batch.model][1].times.predict(batch.bucket, batch.size)
         if now + run_s < batch.deadline:  # the timer left a margin for its own lateness
-            self._spawn(self.run_local(batch))
+            # Our work again: the batcher counts it, or our idle thief would read the
+            # next batch we hand off straight back too, and peers would idle.
+            self.models[batch.model][1].hold(batch, self._spawn(self.run_local(batch)))
         else:
             _fail(batch, VegaError("deadline_exceeded",
                                    "handed to a peer that did not answer in time"))
