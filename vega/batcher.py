@@ -24,6 +24,7 @@ from typing import Any
 from vega.buckets import shares
 from vega.config import Settings, length_bounds
 from vega.errors import VegaError
+from vega.inflight import Inflight
 from vega.queues import Queues, first_live
 from vega.records import CRITICAL, JOB, PRIORITY_NAMES, Batch, Item
 from vega.timing import BatchTimes, ServiceRate
@@ -86,8 +87,7 @@ class Batcher(Queues):
         self._on_batch_done = on_batch_done
         self._wake = asyncio.Event()
         self._running = False  # while run() is looping
-        # Each batch in flight, with when it is predicted to start and to end (loop clock).
-        self._inflight: dict[asyncio.Future[None], tuple[float, float]] = {}
+        self._inflight = Inflight(config.parallelism)
         self._shed_at: float | None = None  # when a standing queue last shed a stale item
         self._drained_at: float | None = None  # when a batch last emptied its inline buckets
         self.padded_steps = 0  # padding run through the model so far, in timesteps
@@ -258,7 +258,7 @@ class Batcher(Queues):
             if len(self._inflight) >= self.config.parallelism:
                 return None, None  # a finishing batch wakes the loop
             idle = True
-        run = self._freeing_run() if hold and not idle else None
+        run = self._inflight.freeing_run() if hold and not idle else None
         form_at = now if run is None else _form_at(*run)
         # A partial batch, too, is formed ahead of a predicted end: held until the thread
         # freed, it reached the model a loop turn and a thread hand-off late.
@@ -316,7 +316,7 @@ class Batcher(Queues):
         shares = self._shares(bucket)
         top = max(shares)
         size = min(self.config.max_batch_size, sum(shares.values()))
-        run = self._freeing_run()  # formed ahead, it starts once the running batch ends
+        run = self._inflight.freeing_run()  # formed ahead, it starts once the running batch ends
         finish = (now if run is None else max(now, run[1])) + self.times.predict(top, size)
         items: list[Item] = []
         lane, depth = self._lane()  # depth: the live counts, which the takes lower
@@ -409,49 +409,30 @@ class Batcher(Queues):
             return self._shed(now)
         return None
 
-    def _freeing_run(self) -> tuple[float, float] | None:
-        """Predicted (start, end) of the batch whose end frees a thread for one more."""
-        queued = len(self._inflight) - self.config.parallelism
-        if queued < 0:
-            return None  # a thread is free now
-        return sorted(self._inflight.values(), key=lambda run: run[1])[queued]
-
     def _dispatch(self, batch: Batch) -> None:
         done = asyncio.ensure_future(self._sink(batch))
         self._track(batch, done)
         done.add_done_callback(functools.partial(self._finished, batch))
 
     def hold(self, batch: Batch, done: asyncio.Future[None]) -> None:
-        """Count a batch of this process's own that runs here without having been
-        dispatched now: one taken back from peers. It holds a thread like any other, so
-        the predicted waits, the spare threads and idleness (which lets the thief steal,
-        even our own batch back) must see it until it ends."""
+        """Count a batch of our own that runs here undispatched (one taken back from peers):
+        it holds a thread, so the waits, spare threads and idleness must see it till it ends."""
         self._track(batch, done)
         done.add_done_callback(self._released)
 
     def _track(self, batch: Batch, done: asyncio.Future[None]) -> None:
-        now = asyncio.get_running_loop().time()
-        run = self._freeing_run()
-        start = now if run is None else max(now, run[1])
-        self._inflight[done] = (start, start + self.times.predict(batch.bucket, batch.size))
+        self._inflight.add(done, asyncio.get_running_loop().time(),
+                           self.times.predict(batch.bucket, batch.size))
         self._idle.clear()
 
     def _released(self, done: asyncio.Future[None]) -> None:
         """A held batch ended: its thread is free (its caller answers and measures it)."""
-        self._untrack(done)
+        self._inflight.remove(done, asyncio.get_running_loop().time())
         self._pump_here()
         self._maybe_idle()
 
-    def _untrack(self, done: asyncio.Future[None]) -> None:
-        _, end = self._inflight.pop(done)
-        # A batch queued behind this one started when this one ended, not when predicted.
-        late = asyncio.get_running_loop().time() - end
-        for other, (start, other_end) in list(self._inflight.items()):
-            if start >= end:
-                self._inflight[other] = (start + late, other_end + late)
-
     def _finished(self, batch: Batch, done: asyncio.Future[None]) -> None:
-        self._untrack(done)
+        self._inflight.remove(done, asyncio.get_running_loop().time())
         error = None if done.cancelled() else done.exception()
         if error is not None:
             log.error("batch %d failed outside the model: %r", batch.id, error)

@@ -322,6 +322,27 @@ async def test_pipelining_is_bounded_by_max_inflight(running: Start) -> None:
     assert sink.max_running == 2
 
 
+async def test_a_held_batch_takes_a_thread_until_it_ends(running: Start) -> None:
+    """A batch of ours taken back from peers runs beside the batcher's dispatch: while it
+    runs the batcher counts it (no spare thread, not idle, one fewer to dispatch); its end
+    frees the thread for what queued meanwhile."""
+    batcher, sink = running(max_inflight=1, max_batch_size=1, max_wait_s=0.0,
+                            dispatch_when_idle=True)
+    loop = asyncio.get_running_loop()
+    taken_back: asyncio.Future[None] = loop.create_future()
+    batcher.hold(Batch(model="m", bucket=0, items=[], formed_at=loop.time(), pad_to=10),
+                 taken_back)
+    assert (batcher.inflight, batcher.spare_threads) == (1, 0)
+    queued = item(batcher)
+    await asyncio.sleep(0.05)
+    assert sink.batches == [] and batcher.depth() == 1
+    idle = asyncio.ensure_future(batcher.wait_idle())
+    taken_back.set_result(None)
+    await asyncio.wait_for(queued.future, 5)
+    await asyncio.wait_for(idle, 5)
+    assert [b.size for b in sink.batches] == [1] and batcher.spare_threads == 1
+
+
 async def test_once_stopped_a_finishing_batch_starts_no_other() -> None:
     sink = RecordingSink()
     sink.gate.clear()

@@ -1,0 +1,46 @@
+"""The batches in flight on a pool of executor threads, each with its predicted run.
+
+The batcher keeps one per model: what it dispatched and what runs here without having
+been dispatched now (a batch taken back from peers). From it the batcher reads when a
+thread will free, so it forms the next batch just ahead of that; admission and the
+heartbeat read how many threads are busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+Run = tuple[float, float]  # predicted (start, end), loop clock
+
+
+class Inflight:
+    """Batches running or waiting for a thread, in the order the pool starts them (FIFO)."""
+
+    def __init__(self, parallelism: int) -> None:
+        self.parallelism = parallelism
+        self._runs: dict[asyncio.Future[None], Run] = {}
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def add(self, done: asyncio.Future[None], now: float, run_s: float) -> None:
+        """A batch handed to the pool now, predicted to run ``run_s`` once it has a thread."""
+        freeing = self.freeing_run()
+        start = now if freeing is None else max(now, freeing[1])
+        self._runs[done] = (start, start + run_s)
+
+    def remove(self, done: asyncio.Future[None], now: float) -> None:
+        """The batch ``done`` ended at ``now``."""
+        _, end = self._runs.pop(done)
+        # A batch queued behind this one started when this one ended, not when predicted.
+        late = now - end
+        for other, (start, other_end) in list(self._runs.items()):
+            if start >= end:
+                self._runs[other] = (start + late, other_end + late)
+
+    def freeing_run(self) -> Run | None:
+        """Predicted run of the batch whose end frees a thread for one more; None: one is free."""
+        queued = len(self._runs) - self.parallelism
+        if queued < 0:
+            return None
+        return sorted(self._runs.values(), key=lambda run: run[1])[queued]
