@@ -1,4 +1,5 @@
-"""``vega serve|config``: argv -> Settings -> uvicorn on uvloop and httptools.
+"""``vega serve|config``: argv -> Settings -> uvicorn on uvloop and httptools
+(vega.transport: one socket write per response).
 
 Exit status: 0 after a clean stop (SIGTERM drains first), 2 for a bad setting,
 3 when the process could not start (model failed to load, port taken).
@@ -86,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(settings: Settings) -> int:
     from vega.models.loader import ModelLoadError
     from vega.server import create_app
+    from vega.transport import OneWriteProtocol
 
     # An executor thread needs the GIL back from the event loop after each torch call
     # and waits up to the switch interval for it (5 ms by default); the loop is asked to
@@ -100,7 +102,7 @@ def serve(settings: Settings) -> int:
         return EXIT_STARTUP
     options: dict[str, Any] = {"uds": settings.uds} if settings.uds else {
         "host": settings.host, "port": settings.port}
-    config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on",
+    config = uvicorn.Config(app, loop="uvloop", http=OneWriteProtocol, lifespan="on",
                             access_log=settings.access_log, log_level=settings.log_level,
                             timeout_keep_alive=75, proxy_headers=False, **options)
     server = DrainingServer(config, runtime)

@@ -1,0 +1,76 @@
+"""uvicorn's httptools protocol, writing each response to its socket once, not twice.
+
+uvicorn writes a response's status line and headers when the app sends
+``http.response.start`` and its body when the app sends the body: two ``send`` calls on
+the socket, and a client that wakes for the headers and again for the body. Here the
+protocol's writes within one turn of the event loop are joined and written at the start
+of the next turn, so a response sent in one go leaves as one write. A response streamed
+over several turns still leaves a write a turn; close() writes what is held first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+class JoinedWrites:
+    """A transport that holds writes until the loop's next turn, then writes them as one.
+
+    Everything else goes to the socket's transport as it is.
+    """
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._held:
+            self._loop.call_soon(self.flush)
+        self._held.append(bytes(data))
+
+    def writelines(self, lines: Any) -> None:
+        for data in lines:
+            self.write(data)
+
+    def flush(self) -> None:
+        if not self._held:
+            return
+        data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
+        self._held.clear()
+        if not self._transport.is_closing():  # the peer left meanwhile: nobody to tell
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held.clear()
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class OneWriteProtocol(HttpToolsProtocol):
+    """What ``vega serve`` gives uvicorn as its HTTP protocol (``uvicorn.Config(http=...)``)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(cast(asyncio.Transport, JoinedWrites(
+            cast(asyncio.Transport, transport))))
