@@ -426,13 +426,13 @@ class Batcher(Queues):
         self._idle.clear()
 
     def _released(self, done: asyncio.Future[None]) -> None:
-        """A held batch ended: its thread is free (its caller answers and measures it)."""
+        """A batch ended, dispatched or held: its thread is free, so start what is due
+        now, before the handlers the batch woke."""
         self._inflight.remove(done, asyncio.get_running_loop().time())
         self._pump_here()
         self._maybe_idle()
 
     def _finished(self, batch: Batch, done: asyncio.Future[None]) -> None:
-        self._inflight.remove(done, asyncio.get_running_loop().time())
         error = None if done.cancelled() else done.exception()
         if error is not None:
             log.error("batch %d failed outside the model: %r", batch.id, error)
@@ -443,8 +443,7 @@ class Batcher(Queues):
             self.padded_steps += steps - sum(item.length for item in batch.items)
             self.times.observe(batch.bucket, batch.size, batch.infer_s)
             self.rate.observe(batch.size, sum(item.cost for item in batch.items), batch.infer_s)
-        self._pump_here()  # a thread is free: before the handlers this batch woke
-        self._maybe_idle()
+        self._released(done)  # measured first: the next batch is predicted with it
         if self._on_batch_done is not None:
             self._on_batch_done(batch)
 

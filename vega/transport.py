@@ -52,6 +52,7 @@ class JoinedWrites:
         self._held.clear()
         self._transport.abort()
 
+    # Called for every request: passed on directly, not through __getattr__.
     def is_closing(self) -> bool:
         return self._transport.is_closing()
 
