@@ -309,11 +309,12 @@ class Streams:
         if not any(item.live for item in batch.items):
             return
         now = asyncio.get_running_loop().time()
-        run_s = self.models[batch.model][1].times.predict(batch.bucket, batch.size)
-        if now + run_s < batch.deadline:  # the timer left a margin for its own lateness
-            # Our work again: the batcher counts it, or our idle thief would read the
-            # next batch we hand off straight back too, and peers would idle.
-            self.models[batch.model][1].hold(batch, self._spawn(self.run_local(batch)))
+        batcher = self.models[batch.model][1]
+        if now + batcher.times.predict(batch.bucket, batch.size) < batch.deadline:
+            # (the timer left a margin for its own lateness.) Our work again: the batcher
+            # counts it, or our idle thief would read the next batch we hand off straight
+            # back too, and peers would idle.
+            batcher.hold(batch, self._spawn(self.run_local(batch)))
         else:
             _fail(batch, VegaError("deadline_exceeded",
                                    "handed to a peer that did not answer in time"))
