@@ -10,12 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
+import orjson
 import pytest
 import redis
 
 from tests.infra import Nginx, RedisServer
-from tests.models import FAIL_MARK, ledger, tagged, window
+from tests.models import FAIL_MARK, encoder, ledger, tagged, window
 from tests.servers import VegaProcess, metric, wait_until
+from vega.models.loader import load_model
 
 pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
 
@@ -258,9 +261,9 @@ async def send_default(url: str, values: Sequence[float],
         return list(await asyncio.gather(*(one(v) for v in values)))
 
 
-def lent(proc: VegaProcess) -> float:
+def lent(proc: VegaProcess, model: str = "echo") -> float:
     status = httpx.get(proc.url + "/v1/status", timeout=5).json()
-    return float(status["models"]["echo"]["peer_threads_lent"])
+    return float(status["models"][model]["peer_threads_lent"])
 
 
 def default_pair(vega: Callable[..., VegaProcess], redis_url: str
@@ -374,3 +377,84 @@ async def test_equal_load_through_nginx_does_not_bounce_batches(
     assert overflow("out") <= 0.5 * batches, (overflow("out"), batches)
     taken_back = sum(metric(p, "vega_overflow_events_total", event="taken_back") for p in (a, b))
     assert overflow("out") - overflow("in") <= taken_back, (overflow("out"), taken_back)
+
+
+# What a user brings: their own eager module, mixed window lengths, the default priority
+# and deadline, with the cache and a fallback model on; only heartbeats are quicker.
+EAGER_PAIR_ENV = {"VEGA_MODEL": "python:tests.models:encoder",
+                  "VEGA_FALLBACK_MODEL": "sensor-small", "VEGA_CACHE_BYTES": str(1 << 22),
+                  "VEGA_HEARTBEAT_MS": "100"}
+
+
+def executor_kind(proc: VegaProcess) -> str:
+    return str(httpx.get(proc.url + "/v1/status", timeout=5).json()["executor"]["kind"])
+
+
+async def post_all(url: str, bodies: Sequence[dict[str, Any]],
+                   concurrency: int) -> list[httpx.Response]:
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def one(body: dict[str, Any]) -> httpx.Response:
+            async with gate:
+                return await client.post(url + "/v1/infer", content=orjson.dumps(body))
+        return list(await asyncio.gather(*(one(body) for body in bodies)))
+
+
+def check_eager_outputs(bodies: Sequence[dict[str, Any]],
+                        responses: Sequence[httpx.Response]) -> int:
+    """Each 200 holds what its model, run alone on each window, gives; how many were
+    answered by the fallback."""
+    main, small = encoder("encoder"), load_model("sensor-small")  # the same seeds
+    main.load("cpu")
+    small.load("cpu")
+    degraded = 0
+    for body, response in zip(bodies, responses):
+        if response.status_code != 200:
+            continue
+        fallback = response.headers.get("x-vega-degraded") == "1"
+        degraded += fallback
+        reference = small if fallback else main
+        assert response.json()["model"] == reference.name
+        windows = body["instances"] if "instances" in body else [body["inputs"]]
+        outputs = response.json()["outputs"]
+        outputs = outputs if "instances" in body else [outputs]
+        for rows, output in zip(windows, outputs, strict=True):
+            sample = np.asarray(rows, dtype=np.float32)
+            alone = reference.run([sample], sample.shape[0])[0]
+            np.testing.assert_allclose(output, alone, atol=1e-5)
+    return degraded
+
+
+@pytest.mark.exclusive
+async def test_an_eager_module_on_two_processes_at_the_defaults_with_every_feature(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
+    env = {**EAGER_PAIR_ENV, "VEGA_REDIS_URL": redis_server.url}
+    a, b = vega(VEGA_NODE_ID="A", **env), vega(VEGA_NODE_ID="B", **env)
+    wait_until(lambda: lent(a, "encoder") == 1 and lent(b, "encoder") == 1, 10,
+               "each to count the other's model")
+    assert [executor_kind(proc) for proc in (a, b)] == ["process", "process"]
+    rng = np.random.default_rng(19)
+
+    def windows(count: int) -> list[list[list[float]]]:
+        return [rng.standard_normal((int(n), 8)).round(4).tolist()
+                for n in rng.integers(16, 257, size=count)]
+
+    # A steady load on A, more than it runs at once: B takes some of its batches.
+    steady = [{"inputs": rows} for rows in windows(200)]
+    steady += steady[:40]  # the repeats come last: the cache has their answers
+    responses = await post_all(a.url, steady, concurrency=48)
+    assert outcomes(responses) == Counter(ok=len(steady))
+    check_eager_outputs(steady, responses)
+    assert sum(r.headers.get("x-vega-cache") == "hit" for r in responses) > 0
+    assert metric(b, "vega_overflow_batches_total", direction="in") > 0
+    assert metric(a, "vega_refusals_with_peer_room_total", model="encoder") == 0
+
+    # A burst of many-window requests, far past what the pair runs within the interval:
+    # what the main model would refuse goes to the fallback (normal is degradable).
+    burst = [{"instances": windows(16)} for _ in range(24)]
+    responses = await post_all(a.url, burst, concurrency=len(burst))
+    counts = outcomes(responses)
+    assert counts["ok"] > 0 and set(counts) <= {"ok", "queue_full", "shed"}, counts
+    degraded = check_eager_outputs(burst, responses)
+    assert degraded > 0
+    assert metric(a, "vega_requests_total") == len(steady) + len(burst)
