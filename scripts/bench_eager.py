@@ -9,15 +9,19 @@ runs on a fresh server, and each round takes them in turn:
 1. the module alone, no HTTP, one thread, batch sizes 8..64 at 64 steps: the ceiling,
    measured again after the round's last phase; ratios use the mean of the two;
 2. 64 connections, 64 steps, the model in a thread (VEGA_EXECUTOR=thread);
-3. the same at the default executor (a model process for an eager module);
+3. the same at the default executor (a model process for an eager module), paired with
+   1024 connections that honour Retry-After;
 4. 64 connections, lengths uniform in 16..256, default length buckets (cut from the
-   measured costs);
-5. the same with the configured bounds as given (VEGA_BUCKET_PADDING=0), and with one
-   bucket (VEGA_LENGTH_BUCKETS=512);
-6. 1024 connections that honour Retry-After, 64 steps;
-7. phases 2 and 3 with the module at width 256 (``encoder_wide``), against its own ceiling;
-8. the HTTP path alone: a model that costs nothing (``echo_fast``, in a thread), 64
+   measured costs), paired with the same on one bucket (VEGA_LENGTH_BUCKETS=512);
+5. the same lengths with the configured bounds as given (VEGA_BUCKET_PADDING=0);
+6. phases 2 and 3 with the module at width 256 (``encoder_wide``), against its own ceiling;
+7. the HTTP path alone: a model that costs nothing (``echo_fast``, in a thread), 64
    connections: what one process's loop answers at most on this machine.
+
+A pair's two servers are up at once and loaded in turn, A B B A A B B A, each for half
+of SECONDS at a time: the two sides of a target's ratio then see the same machine,
+where phases run one after the other on a VM whose speed drifts within minutes can
+differ by a third.
 
 Ratios come from one run; the load generator shares the machine's cores. Each phase also
 reports the CPU it took per answer: the loop (the server's main thread), the model
@@ -36,6 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +75,9 @@ PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("http_path_64", {"VEGA_MODEL": "python:tests.models:echo_fast", "VEGA_EXECUTOR": "thread"},
      64, "64"),
 )
+SPECS = {name: (env, connections, lengths) for name, env, connections, lengths in PHASES}
+# Phases run as a pair (run_pair), for the targets that are their ratio.
+PAIRED = {"fixed_default_64": "fixed_default_1024", "mixed_buckets_64": "mixed_one_bucket_64"}
 
 
 def load(port: int, connections: int, seconds: float, lengths: str, out: Path
@@ -112,37 +121,105 @@ def children(pid: int) -> list[int]:
     return [int(child) for child in listed.split()]
 
 
+class Server:
+    """A fresh server for one phase, and the counters that say where its CPU went."""
+
+    def __init__(self, port: int, env: dict[str, str]) -> None:
+        self.port = port
+        self.proc = serve(port, **{"VEGA_MODEL": MODEL, **env})
+        self.status: dict[str, Any] = json.loads(_get(port, "/v1/status"))
+        self.kids = children(self.proc.pid)
+        self.slices: list[tuple[dict[str, Any], float, dict[str, Any]]] = []
+
+    def load(self, connections: int, lengths: str, seconds: float, out: Path) -> None:
+        """One slice of closed-loop load; its report and counters are kept."""
+        busy_before = batch_seconds(self.port)
+        threads_before, kids_before = thread_seconds(self.proc.pid), process_seconds(self.kids)
+        report, loadgen_cores = load(self.port, connections, seconds, lengths, out)
+        threads_after, kids_after = thread_seconds(self.proc.pid), process_seconds(self.kids)
+        busy_after = batch_seconds(self.port)
+        self.slices.append((report, seconds, {
+            "busy_s": busy_after[0] - busy_before[0], "batches": busy_after[1] - busy_before[1],
+            "threads": (threads_before, threads_after), "kids_s": kids_after - kids_before,
+            "loadgen_s": loadgen_cores * seconds}))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+    def phase(self) -> dict[str, Any]:
+        """Its slices summed: rates over their time, counts added, the worst slice's p99."""
+        parts = [summary(report, seconds) for report, seconds, _ in self.slices]
+        counters = [c for _, _, c in self.slices]
+        phase: dict[str, Any] = {
+            "throughput": statistics.fmean(p["throughput"] for p in parts),
+            "ok_rate": round(statistics.fmean(p["ok_rate"] for p in parts), 1),
+            "p50_ms": statistics.median(p["p50_ms"] for p in parts),
+            "p99_ms": max(p["p99_ms"] for p in parts),
+            "p99_after_1s_ms": max(p["p99_after_1s_ms"] for p in parts),
+            "by_status": dict(sum((Counter(p["by_status"]) for p in parts), Counter())),
+            "mean_batch": _batch_mean(report for report, _, _ in self.slices)}
+        if len(parts) > 1:
+            phase["slices_ok_rate"] = [p["ok_rate"] for p in parts]
+        phase["executor"] = self.status.get("executor", {}).get("kind")
+        models: dict[str, Any] = self.status.get("models", {})
+        first: dict[str, Any] = next(iter(models.values()), {})
+        phase["length_buckets"] = first.get("length_buckets")
+        batches = sum(c["batches"] for c in counters)
+        phase["mean_batch_ms"] = 1000 * sum(c["busy_s"] for c in counters) / batches \
+            if batches else None
+        phase["refused"] = sum(n for code, n in phase["by_status"].items() if code != "200")
+        answers = sum(phase["by_status"].values())
+        split = [self._threads(*c["threads"]) for c in counters]
+        loop_s, model_thread_s = sum(s[0] for s in split), sum(s[1] for s in split)
+        if answers and loop_s:
+            model_s = sum(c["kids_s"] for c in counters) if self.kids else model_thread_s
+            phase["cpu_us_per_answer"] = {
+                "loop": round(1e6 * loop_s / answers, 1),
+                "model": round(1e6 * model_s / answers, 1),
+                "loadgen": round(1e6 * sum(c["loadgen_s"] for c in counters) / answers, 1)}
+        return phase
+
+    def _threads(self, before: dict[str, tuple[float, float]],
+                 after: dict[str, tuple[float, float]]) -> tuple[float, float]:
+        """CPU seconds of the loop's thread and of the model's thread between two readings."""
+        use = cpu_use(self.proc.pid, before, after, batches=1, answers=1)
+        return (use.get("loop_cpu_us_per_answer", 0.0) / 1e6,
+                use.get("model_cpu_ms_per_batch", 0.0) / 1000)
+
+
+def _batch_mean(reports: Iterable[dict[str, Any]]) -> float | None:
+    sizes = [report.get("batches", {}).get("size") or {} for report in reports]
+    count = sum(s.get("count", 0) for s in sizes)
+    return sum(s.get("sum", 0) for s in sizes) / count if count else None
+
+
 def run_phase(port: int, env: dict[str, str], connections: int, lengths: str,
               seconds: float, out: Path) -> dict[str, Any]:
-    proc = serve(port, **{"VEGA_MODEL": MODEL, **env})
+    server = Server(port, env)
     try:
-        status = json.loads(_get(port, "/v1/status"))
-        kids = children(proc.pid)
-        busy_before = batch_seconds(port)
-        threads_before, kids_before = thread_seconds(proc.pid), process_seconds(kids)
-        report, loadgen_cores = load(port, connections, seconds, lengths, out)
-        threads_after, kids_after = thread_seconds(proc.pid), process_seconds(kids)
-        busy_after = batch_seconds(port)
+        server.load(connections, lengths, seconds, out)
     finally:
-        proc.terminate()
-        proc.wait(30)
-    batches = busy_after[1] - busy_before[1]
-    phase = summary(report, seconds)
-    phase["executor"] = status.get("executor", {}).get("kind")
-    phase["length_buckets"] = next(iter(status.get("models", {}).values()), {}).get(
-        "length_buckets")
-    phase["mean_batch_ms"] = 1000 * (busy_after[0] - busy_before[0]) / batches if batches else None
-    phase["refused"] = sum(n for code, n in phase["by_status"].items() if code != "200")
-    answers = sum(phase["by_status"].values())
-    threads = cpu_use(proc.pid, threads_before, threads_after, batches, answers)
-    if answers and threads:
-        model_s = (kids_after - kids_before if kids else
-                   threads["model_cpu_ms_per_batch"] * batches / 1000)
-        phase["cpu_us_per_answer"] = {
-            "loop": round(threads["loop_cpu_us_per_answer"], 1),
-            "model": round(1e6 * model_s / answers, 1),
-            "loadgen": round(1e6 * loadgen_cores * seconds / answers, 1)}
-    return phase
+        server.stop()
+    return server.phase()
+
+
+def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out: Path
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two phases a ratio compares, both servers up at once and loaded in turn (A B B A
+    A B B A, slices of half the phase's time): a VM whose speed drifts within minutes
+    moves both alike, where phases run one after the other can differ by a third."""
+    servers: list[Server] = []
+    try:
+        for port, name in zip(ports, names):
+            servers.append(Server(port, SPECS[name][0]))
+        for number, which in enumerate((0, 1, 1, 0) * 2):
+            _env, connections, lengths = SPECS[names[which]]
+            servers[which].load(connections, lengths, seconds / 2, out / f"{which}-{number}")
+    finally:
+        for server in servers:
+            server.stop()
+    return servers[0].phase(), servers[1].phase()
 
 
 def _get(port: int, path: str) -> str:
@@ -151,22 +228,31 @@ def _get(port: int, path: str) -> str:
     return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5).text
 
 
+RATIOS = {  # name: (phase, what it is divided by: a phase or a ceiling)
+    "thread_64_vs_ceiling": ("fixed_thread_64", "ceiling_items_per_s"),
+    "default_64_vs_ceiling": ("fixed_default_64", "ceiling_items_per_s"),
+    "wide_thread_64_vs_ceiling": ("wide_thread_64", "wide_ceiling_items_per_s"),
+    "wide_default_64_vs_ceiling": ("wide_default_64", "wide_ceiling_items_per_s"),
+    "mixed_buckets_vs_one_bucket": ("mixed_buckets_64", "mixed_one_bucket_64"),
+    "mixed_planned_vs_fixed_buckets": ("mixed_buckets_64", "mixed_fixed_buckets_64"),
+    "ok_1024_vs_64": ("fixed_default_1024", "fixed_default_64"),
+    "http_path_64_vs_ceiling": ("http_path_64", "ceiling_items_per_s"),
+}
+
+
 def ratios(round_: dict[str, Any]) -> dict[str, float]:
-    best = max(round_["ceiling_items_per_s"].values())
-    wide = max(round_["wide_ceiling_items_per_s"].values())
-    ok = {name: round_[name]["ok_rate"] for name, *_ in PHASES if name in round_}
-    return {
-        "thread_64_vs_ceiling": ok["fixed_thread_64"] / best,
-        "default_64_vs_ceiling": ok["fixed_default_64"] / best,
-        "wide_thread_64_vs_ceiling": ok["wide_thread_64"] / wide,
-        "wide_default_64_vs_ceiling": ok["wide_default_64"] / wide,
-        "mixed_buckets_vs_one_bucket": ok["mixed_buckets_64"] / max(ok["mixed_one_bucket_64"], 1e-9),
-        "mixed_planned_vs_fixed_buckets":
-            ok["mixed_buckets_64"] / max(ok["mixed_fixed_buckets_64"], 1e-9),
-        "ok_1024_vs_64": ok["fixed_default_1024"] / max(ok["fixed_default_64"], 1e-9),
-        "http_path_64_vs_ceiling": ok["http_path_64"] / best,
-        "cpu_bound_64_vs_ceiling": cpu_bound(round_["fixed_default_64"]) / best,
-    }
+    """Each ratio whose two sides the round measured (``--phases`` may leave some out)."""
+    def rate(name: str) -> float:
+        if name.endswith("ceiling_items_per_s"):
+            return float(max(round_[name].values()))
+        return float(round_[name]["ok_rate"])
+
+    found = {key: rate(top) / max(rate(bottom), 1e-9)
+             for key, (top, bottom) in RATIOS.items() if top in round_ and bottom in round_}
+    if "fixed_default_64" in round_:
+        found["cpu_bound_64_vs_ceiling"] = (cpu_bound(round_["fixed_default_64"])
+                                            / rate("ceiling_items_per_s"))
+    return found
 
 
 def cpu_bound(phase: dict[str, Any]) -> float:
@@ -212,22 +298,32 @@ def main() -> int:
     for number in range(1, options.rounds + 1):
         round_: dict[str, Any] = {"ceilings_at_start": ceilings(number, "start")}
         for name, env, connections, lengths in PHASES:
-            if chosen and name not in chosen:
+            if chosen and name not in chosen or name in round_:
                 continue
-            round_[name] = run_phase(port, env, connections, lengths, options.seconds,
-                                     out / f"{number}-{name}")
-            port += 1
-            print(f"round {number} {name}: {json.dumps(round_[name])}", flush=True)
+            partner = PAIRED.get(name)
+            if partner is not None and (not chosen or partner in chosen):
+                round_[name], round_[partner] = run_pair(
+                    (port, port + 1), (name, partner), options.seconds, out / f"{number}-{name}")
+                port += 2
+                names = [name, partner]
+            else:
+                round_[name] = run_phase(port, env, connections, lengths, options.seconds,
+                                         out / f"{number}-{name}")
+                port += 1
+                names = [name]
+            for done in names:
+                print(f"round {number} {done}: {json.dumps(round_[done])}", flush=True)
         round_["ceilings_at_end"] = ceilings(number, "end")
         round_.update(bracketed(round_["ceilings_at_start"], round_["ceilings_at_end"]))
         print(f"round {number} the module alone at the end vs at the start: "
               f"{round_['ceiling_drift']:.2f}x (wide: {round_['wide_ceiling_drift']:.2f}x); "
               "ratios use the mean of the two", flush=True)
-        round_["ratios"] = ratios(round_) if not chosen else {}
+        round_["ratios"] = ratios(round_)
         print(f"round {number} ratios: "
               + json.dumps({k: round(v, 2) for k, v in round_["ratios"].items()}), flush=True)
         results["rounds"].append(round_)
-    keys = results["rounds"][0]["ratios"]
+    keys = [k for k in results["rounds"][0]["ratios"]
+            if all(k in r["ratios"] for r in results["rounds"])]
     results["median_ratios"] = {k: statistics.median(r["ratios"][k] for r in results["rounds"])
                                 for k in keys}
     print("median ratios: " + json.dumps({k: round(v, 2)
