@@ -93,10 +93,10 @@ def thread_seconds(pid: int) -> dict[str, tuple[float, float]]:
     return threads
 
 
-def cpu_use(pid: int, before: dict[str, tuple[float, float]],
-            after: dict[str, tuple[float, float]], batches: float,
-            answers: int) -> dict[str, float]:
-    """The loop's CPU per answer, and the model thread's CPU and run-queue wait per batch.
+def thread_split(pid: int, before: dict[str, tuple[float, float]],
+                 after: dict[str, tuple[float, float]]) -> tuple[float, float, float] | None:
+    """Seconds between two readings: the loop's CPU, the model thread's CPU and its
+    run-queue wait. None when either thread is missing.
 
     The loop runs on the process's main thread; the model thread is taken to be the
     other thread that ran longest (thread names are not visible from outside here).
@@ -107,11 +107,22 @@ def cpu_use(pid: int, before: dict[str, tuple[float, float]],
     main = str(pid)
     model = max((tid for tid in after if tid != main), key=lambda tid: delta(tid, 0),
                 default=None)
-    if main not in after or model is None or not batches or not answers:
+    if main not in after or model is None:
+        return None
+    return delta(main, 0), delta(model, 0), delta(model, 1)
+
+
+def cpu_use(pid: int, before: dict[str, tuple[float, float]],
+            after: dict[str, tuple[float, float]], batches: float,
+            answers: int) -> dict[str, float]:
+    """The loop's CPU per answer, and the model thread's CPU and run-queue wait per batch."""
+    split = thread_split(pid, before, after)
+    if split is None or not batches or not answers:
         return {}
-    return {"loop_cpu_us_per_answer": 1e6 * delta(main, 0) / answers,
-            "model_cpu_ms_per_batch": 1000 * delta(model, 0) / batches,
-            "model_runq_ms_per_batch": 1000 * delta(model, 1) / batches}
+    loop_s, model_s, model_wait_s = split
+    return {"loop_cpu_us_per_answer": 1e6 * loop_s / answers,
+            "model_cpu_ms_per_batch": 1000 * model_s / batches,
+            "model_runq_ms_per_batch": 1000 * model_wait_s / batches}
 
 
 def batch_seconds(port: int) -> tuple[float, float]:

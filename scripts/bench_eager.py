@@ -52,10 +52,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_core import (  # noqa: E402
     batch_seconds,
     ceiling,
-    cpu_use,
     serve,
     summary,
     thread_seconds,
+    thread_split,
 )
 
 MODEL = "python:tests.models:encoder"
@@ -170,7 +170,8 @@ class Server:
             if batches else None
         phase["refused"] = sum(n for code, n in phase["by_status"].items() if code != "200")
         answers = sum(phase["by_status"].values())
-        split = [self._threads(*c["threads"]) for c in counters]
+        split = [thread_split(self.proc.pid, *c["threads"]) or (0.0, 0.0, 0.0)
+                 for c in counters]
         loop_s, model_thread_s = sum(s[0] for s in split), sum(s[1] for s in split)
         if answers and loop_s:
             model_s = sum(c["kids_s"] for c in counters) if self.kids else model_thread_s
@@ -179,13 +180,6 @@ class Server:
                 "model": round(1e6 * model_s / answers, 1),
                 "loadgen": round(1e6 * sum(c["loadgen_s"] for c in counters) / answers, 1)}
         return phase
-
-    def _threads(self, before: dict[str, tuple[float, float]],
-                 after: dict[str, tuple[float, float]]) -> tuple[float, float]:
-        """CPU seconds of the loop's thread and of the model's thread between two readings."""
-        use = cpu_use(self.proc.pid, before, after, batches=1, answers=1)
-        return (use.get("loop_cpu_us_per_answer", 0.0) / 1e6,
-                use.get("model_cpu_ms_per_batch", 0.0) / 1000)
 
 
 def _batch_mean(reports: Iterable[dict[str, Any]]) -> float | None:

@@ -18,6 +18,7 @@ import redis
 from tests.infra import Nginx, RedisServer
 from tests.models import FAIL_MARK, encoder, ledger, tagged, window
 from tests.servers import VegaProcess, metric, wait_until
+from vega.models.base import ModelAdapter
 from vega.models.loader import load_model
 
 pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
@@ -400,13 +401,19 @@ async def post_all(url: str, bodies: Sequence[dict[str, Any]],
         return list(await asyncio.gather(*(one(body) for body in bodies)))
 
 
-def check_eager_outputs(bodies: Sequence[dict[str, Any]],
-                        responses: Sequence[httpx.Response]) -> int:
-    """Each 200 holds what its model, run alone on each window, gives; how many were
-    answered by the fallback."""
-    main, small = encoder("encoder"), load_model("sensor-small")  # the same seeds
+def eager_references() -> tuple[ModelAdapter, ModelAdapter]:
+    """The main and fallback models as the pair serves them (the same seeds), run here."""
+    main, small = encoder("encoder"), load_model("sensor-small")
     main.load("cpu")
     small.load("cpu")
+    return main, small
+
+
+def check_eager_outputs(bodies: Sequence[dict[str, Any]], responses: Sequence[httpx.Response],
+                        references: tuple[ModelAdapter, ModelAdapter]) -> int:
+    """Each 200 holds what its model, run alone on each window, gives; how many were
+    answered by the fallback."""
+    main, small = references
     degraded = 0
     for body, response in zip(bodies, responses):
         if response.status_code != 200:
@@ -433,6 +440,7 @@ async def test_an_eager_module_on_two_processes_at_the_defaults_with_every_featu
     wait_until(lambda: lent(a, "encoder") == 1 and lent(b, "encoder") == 1, 10,
                "each to count the other's model")
     assert [executor_kind(proc) for proc in (a, b)] == ["process", "process"]
+    references = eager_references()
     rng = np.random.default_rng(19)
 
     def windows(count: int) -> list[list[list[float]]]:
@@ -447,7 +455,7 @@ async def test_an_eager_module_on_two_processes_at_the_defaults_with_every_featu
     # On two shared cores an item now and then waits out the interval behind a late
     # hand-off and is shed (rule 5): a few, never a share; none is refused at admission.
     assert set(counts) <= {"ok", "shed"} and counts["shed"] <= 0.03 * len(steady), counts
-    check_eager_outputs(steady, responses)
+    check_eager_outputs(steady, responses, references)
     assert sum(r.headers.get("x-vega-cache") == "hit" for r in responses) > 0
     assert metric(b, "vega_overflow_batches_total", direction="in") > 0
     assert metric(a, "vega_refusals_with_peer_room_total", model="encoder") == 0
@@ -458,6 +466,6 @@ async def test_an_eager_module_on_two_processes_at_the_defaults_with_every_featu
     responses = await post_all(a.url, burst, concurrency=len(burst))
     counts = outcomes(responses)
     assert counts["ok"] > 0 and set(counts) <= {"ok", "queue_full", "shed"}, counts
-    degraded = check_eager_outputs(burst, responses)
+    degraded = check_eager_outputs(burst, responses, references)
     assert degraded > 0
     assert metric(a, "vega_requests_total") == len(steady) + len(burst)
