@@ -27,7 +27,11 @@ Ratios come from one run; the load generator shares the machine's cores. Each ph
 reports the CPU it took per answer: the loop (the server's main thread), the model
 (its process, or its thread) and the load generator. Their sum bounds what the machine's
 cores can serve (``cpu_bound_64_vs_ceiling``: that bound over the module's ceiling), so
-a ratio short of a target says whether the cores or the serving fell short.
+a ratio short of a target says whether the cores or the serving fell short. For the
+mixed-length pair, the round also profiles the module (``vega profile``) and runs the
+same 64 callers through the real batcher in virtual time at those costs (``vega
+simulate``): ``mixed_simulated_buckets_vs_one_bucket`` is what the batcher would give on this
+machine at this minute's costs, with no loop, load generator or drift.
 """
 
 from __future__ import annotations
@@ -216,6 +220,38 @@ def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out
     return servers[0].phase(), servers[1].phase()
 
 
+PROFILE_BOUNDS = "16,32,64,96,128,192,256,512"  # lengths the simulator interpolates between
+
+
+def simulated(number: int, names: tuple[str, ...], seconds: float, out: Path
+              ) -> dict[str, float]:
+    """200s a second the batcher would serve each phase at the module's costs measured now.
+    A profile runs full-length windows, so a one-bucket batch, whose padding the module
+    masks, runs a few per cent cheaper than simulated (docs/bench.md)."""
+    profile = out / f"{number}-profile.json"
+    _vega("profile", "--model", MODEL, "--torch-threads", "1", "--buckets", PROFILE_BOUNDS,
+          "--repeats", "15", "--out", str(profile))
+    rates = {}
+    for name in names:
+        env, connections, lengths = SPECS[name]
+        report = out / f"{number}-simulated-{name}"
+        settings = [arg for key, value in env.items() for arg in ("--set", f"{key}={value}")]
+        _vega("simulate", "--latency", str(profile), "--mode", "closed",
+              "--connections", str(connections), "--lengths", lengths, "--mix", "normal=1",
+              "--duration-s", str(seconds), "--seed", str(number), "--no-plots",
+              "--out", str(report), *settings)
+        rates[name] = json.loads((report / "report.json").read_text())["summary"]["ok_rate"]
+    return rates
+
+
+def _vega(*args: str) -> None:
+    """A ``vega`` command, quiet unless it fails."""
+    done = subprocess.run([sys.executable, "-m", "vega", *args], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"vega {args[0]} exited {done.returncode}: {done.stderr[-2000:]}")
+
+
 def _get(port: int, path: str) -> str:
     import httpx
 
@@ -243,6 +279,10 @@ def ratios(round_: dict[str, Any]) -> dict[str, float]:
 
     found = {key: rate(top) / max(rate(bottom), 1e-9)
              for key, (top, bottom) in RATIOS.items() if top in round_ and bottom in round_}
+    sim = round_.get("simulated_ok_rate", {})
+    if "mixed_buckets_64" in sim and "mixed_one_bucket_64" in sim:
+        found["mixed_simulated_buckets_vs_one_bucket"] = (
+            sim["mixed_buckets_64"] / max(sim["mixed_one_bucket_64"], 1e-9))
     if "fixed_default_64" in round_:
         found["cpu_bound_64_vs_ceiling"] = (cpu_bound(round_["fixed_default_64"])
                                             / rate("ceiling_items_per_s"))
@@ -307,6 +347,11 @@ def main() -> int:
                 names = [name]
             for done in names:
                 print(f"round {number} {done}: {json.dumps(round_[done])}", flush=True)
+        mixed = ("mixed_buckets_64", "mixed_one_bucket_64")
+        if all(name in round_ for name in mixed):
+            round_["simulated_ok_rate"] = simulated(number, mixed, options.seconds, out)
+            print(f"round {number} simulated at this minute's costs: "
+                  + json.dumps(round_["simulated_ok_rate"]), flush=True)
         round_["ceilings_at_end"] = ceilings(number, "end")
         round_.update(bracketed(round_["ceilings_at_start"], round_["ceilings_at_end"]))
         print(f"round {number} the module alone at the end vs at the start: "

@@ -103,8 +103,13 @@ def test_latency_model_interpolates_in_size_and_length() -> None:
 def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
     monkeypatch.setenv("TEST_SLEEP_MS", "1")
+    forwards = tmp_path / "forwards"
+    monkeypatch.setenv("TEST_FORWARD_LOG", str(forwards))
     settings = load_settings(environ={"VEGA_MODEL": "python:tests.models:echo"})
     doc = profile.measure(settings, sizes=[1, 4], repeats=2, buckets=[16])
+    # An untimed pass over the four shapes, then each timed pass over all of them, the
+    # second in reverse: a drifting machine moves every shape alike.
+    assert forwards.read_text().split() == ["1", "4", "1", "4"] * 2 + ["4", "1", "4", "1"]
     assert doc["buckets"] == [16, 512]
     assert doc["sizes"] == [1, 4]
     for bound in ("16", "512"):

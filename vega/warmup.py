@@ -31,17 +31,22 @@ def seed_batch_times(batcher: Batcher, passes: int,
 
     ``measure(bound, size)`` runs one batch and returns its seconds; its first call per
     shape is untimed (lazy initialisation), the others seed the predictor and the rate.
+    Each pass visits every shape once, every other pass in reverse order, so a machine
+    that speeds up or slows down during warm-up moves every shape alike: the buckets are
+    cut from what shapes cost relative to each other, not from when each was timed.
     """
     if passes == 0:
         return
     top = batcher.config.max_batch_size
-    for bucket, bound in enumerate(batcher.config.buckets):
-        for size in sorted({1, max(1, top // 2), top}):
-            measure(bound, size)
-            for _ in range(passes):
-                seconds = measure(bound, size)
-                batcher.times.observe(bucket, size, seconds)
-                batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
+    shapes = [(bucket, bound, size) for bucket, bound in enumerate(batcher.config.buckets)
+              for size in sorted({1, max(1, top // 2), top})]
+    for _bucket, bound, size in shapes:
+        measure(bound, size)
+    for number in range(passes):
+        for bucket, bound, size in shapes if number % 2 == 0 else reversed(shapes):
+            seconds = measure(bound, size)
+            batcher.times.observe(bucket, size, seconds)
+            batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
 
 
 def rebucketed(batcher: Batcher, bounds: tuple[int, ...]) -> Batcher:

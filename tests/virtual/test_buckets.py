@@ -15,7 +15,7 @@ from tests.virtual.test_batcher import (
 from vega.batcher import Batcher
 from vega.buckets import line_at, per_item_s, plan_bounds, shares
 from vega.timing import BatchTimes
-from vega.warmup import rebucketed
+from vega.warmup import rebucketed, seed_batch_times
 
 BOUNDS = (16, 32, 64, 128, 256, 512)
 
@@ -128,3 +128,24 @@ async def test_a_passed_over_item_goes_first_before_a_standing_queue_would_shed_
     item(batcher, length=10)
     batch = await formed_once(batcher, sink)
     assert [i.length for i in batch.items] == [300]
+
+
+def test_warm_up_on_a_machine_that_slows_down_skews_no_bucket_against_another() -> None:
+    # The machine slows steadily, to half speed by the end of warm-up. Timed shape by
+    # shape, the last buckets would look ~2x as dear as the first against their cost.
+    batcher = Batcher(config(buckets=BOUNDS, max_batch_size=32), RecordingSink())
+    calls: list[tuple[int, int]] = []
+    shapes_timed = len(BOUNDS) * 3  # sizes 1, 16 and 32
+
+    def cost(bound: int, size: int) -> float:
+        return 0.001 + 1e-5 * bound * size
+
+    def measure(bound: int, size: int) -> float:
+        calls.append((bound, size))
+        return (1 + len(calls) / (3 * shapes_timed)) * cost(bound, size)
+
+    seed_batch_times(batcher, 2, measure)
+    assert len(calls) == 3 * shapes_timed  # one untimed call per shape, then two passes
+    skew = [batcher.times.predict(bucket, size) / cost(bound, size)
+            for bucket, bound in enumerate(BOUNDS) for size in (1, 32)]
+    assert max(skew) / min(skew) == pytest.approx(1.0, abs=0.01)

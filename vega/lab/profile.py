@@ -3,7 +3,7 @@
 The model is loaded with the same adapter, device and torch threads a server
 would use (``VEGA_*`` settings, ``--env-file``, flags), and each (bucket, size)
 shape is run through ``Executor.run_sync`` in this thread: one untimed pass, then
-``--repeats`` timed ones. The file written is what ``vega simulate`` replays::
+``--repeats`` timed ones, each pass over every shape in turn. The file written is what ``vega simulate`` replays::
 
     {"model": "sensor", "spec": "sensor", "device": "cpu", "torch_threads": 1,
      "buckets": [16, ..., 512], "sizes": [1, 2, 4, ...], "repeats": 5,
@@ -98,23 +98,28 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
     executor = Executor({adapter.name: adapter}, threads=1, torch_threads=threads, plan=plan)
     executor.load(chosen)
     bounds = list(length_bounds(tuple(buckets or settings.length_buckets), adapter.max_length))
-    seconds: dict[str, dict[str, dict[str, float]]] = {}
+    shapes = [(bound, size, [adapter.example(bound)] * size) for bound in bounds
+              for size in sizes]
+    times: dict[tuple[int, int], list[float]] = {(bound, size): [] for bound, size, _ in shapes}
     try:
-        for bound in bounds:
-            sample = adapter.example(bound)
-            row = seconds[str(bound)] = {}
-            for size in sizes:
-                samples = [sample] * size
-                executor.run_sync(adapter.name, samples, bound)  # untimed: allocations
-                times = [executor.run_sync(adapter.name, samples, bound)[1]
-                         for _ in range(repeats)]
-                row[str(size)] = {"p50": statistics.median(times), "p90": _p90(times)}
+        for bound, _size, samples in shapes:
+            executor.run_sync(adapter.name, samples, bound)  # untimed: allocations
+        # Each pass times every shape once, every other one in reverse (as warm-up does):
+        # a machine whose speed drifts moves every shape alike, not the few timed then.
+        for repeat in range(repeats):
+            for bound, size, samples in shapes if repeat % 2 == 0 else reversed(shapes):
+                times[bound, size].append(executor.run_sync(adapter.name, samples, bound)[1])
             if progress is not None:
-                last = row[str(sizes[-1])]["p50"]
-                print(f"bucket {bound}: size {sizes[-1]} p50 {1000 * last:.2f} ms",
-                      file=progress)
+                print(f"pass {repeat + 1}/{repeats}", file=progress)
     finally:
         executor.shutdown()
+    seconds = {str(bound): {str(size): {"p50": statistics.median(times[bound, size]),
+                                        "p90": _p90(times[bound, size])} for size in sizes}
+               for bound in bounds}
+    if progress is not None:
+        for bound in bounds:
+            last = seconds[str(bound)][str(sizes[-1])]["p50"]
+            print(f"bucket {bound}: size {sizes[-1]} p50 {1000 * last:.2f} ms", file=progress)
     return {"model": adapter.name, "spec": spec, "device": chosen, "torch_threads": threads,
             "executor": executor.kind,
             "host": platform.node(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
