@@ -36,8 +36,11 @@ log = logging.getLogger("vega.batcher")
 # FORM_AHEAD_MIN_S (the loop's clock ticks in ms). Formed earlier it waits out the running
 # batch while fresher items queue behind it; formed later the thread sits idle. The lead
 # is the freeing batch's, not the candidate's, or long buckets always fall due first.
+# Behind a full batch's worth of queue the batch is chosen from what already waits, so it
+# goes FORM_AHEAD_DEEP_S ahead: a loop that busy can be late by more than the least lead.
 FORM_AHEAD = 0.3
 FORM_AHEAD_MIN_S = 0.002
+FORM_AHEAD_DEEP_S = 0.004
 
 INLINE, JOBS = slice(0, JOB), slice(JOB, JOB + 1)
 
@@ -207,11 +210,8 @@ class Batcher(Queues):
 
     def _pump_here(self) -> None:
         """Start what is due now, in this callback (the timer's, a finished batch's), then
-        let the loop task recompute its timer.
-
-        Woken through the task instead, a batch waited behind every handler already
-        queued on the loop, and one formed ahead reached a model process that had run
-        out of work."""
+        let the loop task recompute its timer. Woken through the task, a batch waited behind
+        every handler queued on the loop, and one formed ahead reached an idle model process."""
         try:
             if self._running:
                 self.pump()
@@ -259,7 +259,8 @@ class Batcher(Queues):
                 return None, None  # a finishing batch wakes the loop
             idle = True
         run = self._inflight.freeing_run() if hold and not idle else None
-        form_at = now if run is None else _form_at(*run)
+        deep = sum(depth) >= self.config.max_batch_size
+        form_at = now if run is None else _form_at(*run, deep)
         # A partial batch, too, is formed ahead of a predicted end: held until the thread
         # freed, it reached the model a loop turn and a thread hand-off late.
         partial_ahead = run is not None and run[1] > run[0]
@@ -454,6 +455,6 @@ def _fail(items: Sequence[Item], error: VegaError) -> None:
             item.future.set_exception(error)
 
 
-def _form_at(start: float, end: float) -> float:
+def _form_at(start: float, end: float, deep: bool) -> float:
     """When the batch after one predicted to run from ``start`` to ``end`` may be formed."""
-    return end - max(FORM_AHEAD_MIN_S, FORM_AHEAD * (end - start))
+    return end - max(FORM_AHEAD_DEEP_S if deep else FORM_AHEAD_MIN_S, FORM_AHEAD * (end - start))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from vega.batcher import FORM_AHEAD, Batcher, BatcherConfig
+from vega.batcher import FORM_AHEAD, FORM_AHEAD_DEEP_S, FORM_AHEAD_MIN_S, Batcher, BatcherConfig
 from vega.errors import VegaError
 from vega.records import CRITICAL, JOB, NORMAL, SHEDDABLE, Batch, Item
 
@@ -174,6 +174,25 @@ async def test_while_busy_a_partial_batch_forms_just_before_the_thread_frees(run
     assert sink.batches[1].size == 2
     sink.gate.set()
     await asyncio.wait_for(asyncio.gather(*(i.future for i in first + second)), 5)
+
+
+async def test_behind_a_full_batch_of_queue_the_next_one_is_formed_further_ahead() -> None:
+    # A batch predicted at 5 ms runs; 30% of that is under either least lead. Behind half a
+    # batch the next one falls due FORM_AHEAD_MIN_S before the running one's predicted end;
+    # behind a full batch's worth over two buckets, FORM_AHEAD_DEEP_S before it.
+    batcher, sink = held({0: (0.001, 0.001), 1: (0.001, 0.001)})
+    first = [item(batcher) for _ in range(4)]
+    assert batcher.pump() is None  # the idle thread took the full batch
+    end = asyncio.get_running_loop().time() + 0.005
+    later = [item(batcher, length=10), item(batcher, length=40)]
+    assert batcher.pump() == pytest.approx(end - FORM_AHEAD_MIN_S)
+    later += [item(batcher, length=10), item(batcher, length=40)]
+    assert batcher.pump() == pytest.approx(end - FORM_AHEAD_DEEP_S)
+    task = asyncio.create_task(batcher.run())
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in first + later)), 5)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_a_batch_formed_ahead_refuses_items_its_wait_would_make_late(running: Start) -> None:
