@@ -3,7 +3,8 @@
 The model is loaded with the same adapter, device and torch threads a server
 would use (``VEGA_*`` settings, ``--env-file``, flags), and each (bucket, size)
 shape is run through ``Executor.run_sync`` in this thread: one untimed pass, then
-``--repeats`` timed ones, each pass over every shape in turn. The file written is what ``vega simulate`` replays::
+``--repeats`` timed ones, each pass over every shape in turn. The file written is what
+``vega simulate`` replays::
 
     {"model": "sensor", "spec": "sensor", "device": "cpu", "torch_threads": 1,
      "buckets": [16, ..., 512], "sizes": [1, 2, 4, ...], "repeats": 5,
