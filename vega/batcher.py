@@ -259,8 +259,7 @@ class Batcher(Queues):
                 return None, None  # a finishing batch wakes the loop
             idle = True
         run = self._inflight.freeing_run() if hold and not idle else None
-        deep = sum(depth) >= self.config.max_batch_size
-        form_at = now if run is None else _form_at(*run, deep)
+        form_at = now if run is None else _form_at(*run, self.depth() >= self.config.max_batch_size)
         # A partial batch, too, is formed ahead of a predicted end: held until the thread
         # freed, it reached the model a loop turn and a thread hand-off late.
         partial_ahead = run is not None and run[1] > run[0]

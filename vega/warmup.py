@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 from vega.batcher import Batcher
 from vega.buckets import line_at, plan_bounds
 from vega.config import Settings
 
 log = logging.getLogger("vega.warmup")
+
+T = TypeVar("T")
 
 
 def planned(batcher: Batcher, s: Settings) -> Batcher:
@@ -31,9 +34,8 @@ def seed_batch_times(batcher: Batcher, passes: int,
 
     ``measure(bound, size)`` runs one batch and returns its seconds; its first call per
     shape is untimed (lazy initialisation), the others seed the predictor and the rate.
-    Each pass visits every shape once, every other pass in reverse order, so a machine
-    that speeds up or slows down during warm-up moves every shape alike: the buckets are
-    cut from what shapes cost relative to each other, not from when each was timed.
+    The passes go ``in_turn``: the buckets are cut from what shapes cost relative to each
+    other, not from when each was timed.
     """
     if passes == 0:
         return
@@ -42,11 +44,17 @@ def seed_batch_times(batcher: Batcher, passes: int,
               for size in sorted({1, max(1, top // 2), top})]
     for _bucket, bound, size in shapes:
         measure(bound, size)
+    for bucket, bound, size in in_turn(shapes, passes):
+        seconds = measure(bound, size)
+        batcher.times.observe(bucket, size, seconds)
+        batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
+
+
+def in_turn(shapes: Sequence[T], passes: int) -> Iterator[T]:
+    """``passes`` passes over ``shapes``, every other one in reverse: a machine that speeds
+    up or slows down while they are timed moves every shape alike (a steady drift cancels)."""
     for number in range(passes):
-        for bucket, bound, size in shapes if number % 2 == 0 else reversed(shapes):
-            seconds = measure(bound, size)
-            batcher.times.observe(bucket, size, seconds)
-            batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
+        yield from shapes if number % 2 == 0 else reversed(shapes)
 
 
 def rebucketed(batcher: Batcher, bounds: tuple[int, ...]) -> Batcher:

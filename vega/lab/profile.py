@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vega.config import ConfigError, Settings, length_bounds, load_settings
+from vega.warmup import in_turn
 
 EXIT_CONFIG = 2
 
@@ -105,13 +106,8 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
     try:
         for bound, _size, samples in shapes:
             executor.run_sync(adapter.name, samples, bound)  # untimed: allocations
-        # Each pass times every shape once, every other one in reverse (as warm-up does):
-        # a machine whose speed drifts moves every shape alike, not the few timed then.
-        for repeat in range(repeats):
-            for bound, size, samples in shapes if repeat % 2 == 0 else reversed(shapes):
-                times[bound, size].append(executor.run_sync(adapter.name, samples, bound)[1])
-            if progress is not None:
-                print(f"pass {repeat + 1}/{repeats}", file=progress)
+        for bound, size, samples in in_turn(shapes, repeats):  # as warm-up times them
+            times[bound, size].append(executor.run_sync(adapter.name, samples, bound)[1])
     finally:
         executor.shutdown()
     seconds = {str(bound): {str(size): {"p50": statistics.median(times[bound, size]),
