@@ -10,7 +10,9 @@ runs on a fresh server, and each round takes them in turn:
    measured again after the round's last phase; ratios use the mean of the two;
 2. 64 connections, 64 steps, the model in a thread (VEGA_EXECUTOR=thread);
 3. the same at the default executor (a model process for an eager module), paired with
-   1024 connections that honour Retry-After;
+   1024 connections that honour Retry-After, the module alone measured after each
+   64-connection slice (``default_64_vs_module_beside``: each slice against the module
+   a few seconds later, where the round's ceiling is minutes away from most slices);
 4. 64 connections, lengths uniform in 16..256, default length buckets (cut from the
    measured costs), paired with the same on one bucket (VEGA_LENGTH_BUCKETS=512);
 5. the same lengths with the configured bounds as given (VEGA_BUCKET_PADDING=0);
@@ -206,18 +208,36 @@ def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out
              ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Two phases a ratio compares, both servers up at once and loaded in turn (A B B A
     A B B A, slices of half the phase's time): a VM whose speed drifts within minutes
-    moves both alike, where phases run one after the other can differ by a third."""
+    moves both alike, where phases run one after the other can differ by a third.
+
+    A phase whose target is against the module alone (BESIDE) also has the module alone
+    measured right after each of its slices, both servers idle: ``module_alone_beside``."""
     servers: list[Server] = []
+    beside: list[float] = []
     try:
         for port, name in zip(ports, names):
             servers.append(Server(port, SPECS[name][0]))
         for number, which in enumerate((0, 1, 1, 0) * 2):
             _env, connections, lengths = SPECS[names[which]]
             servers[which].load(connections, lengths, seconds / 2, out / f"{which}-{number}")
+            if which == 0 and names[0] in BESIDE:
+                beside.append(module_alone())
     finally:
         for server in servers:
             server.stop()
-    return servers[0].phase(), servers[1].phase()
+    first = servers[0].phase()
+    if beside:
+        first["module_alone_beside"] = [round(rate, 1) for rate in beside]
+    return first, servers[1].phase()
+
+
+# Phases compared with the module alone measured beside each of their slices (run_pair).
+BESIDE = {"fixed_default_64"}
+
+
+def module_alone() -> float:
+    """The module alone at 64 steps, items/s at its best batch: a second each at 32 and 64."""
+    return max(ceiling(64, (32, 64), per_size_s=1.0, spec=MODEL).values())
 
 
 PROFILE_BOUNDS = "16,32,64,96,128,192,256,512"  # lengths the simulator interpolates between
@@ -286,7 +306,16 @@ def ratios(round_: dict[str, Any]) -> dict[str, float]:
     if "fixed_default_64" in round_:
         found["cpu_bound_64_vs_ceiling"] = (cpu_bound(round_["fixed_default_64"])
                                             / rate("ceiling_items_per_s"))
+        beside = beside_ratios(round_["fixed_default_64"])
+        if beside:
+            found["default_64_vs_module_beside"] = statistics.fmean(beside)
     return found
+
+
+def beside_ratios(phase: dict[str, Any]) -> list[float]:
+    """Each slice's 200s a second over the module alone measured right after it."""
+    return [served / alone for served, alone in
+            zip(phase.get("slices_ok_rate", []), phase.get("module_alone_beside", []))]
 
 
 def cpu_bound(phase: dict[str, Any]) -> float:
