@@ -26,8 +26,9 @@ where phases run one after the other on a VM whose speed drifts within minutes c
 differ by a third.
 
 Ratios come from one run; the load generator shares the machine's cores. Each phase also
-reports the CPU it took per answer: the loop (the server's main thread), the model
-(its process, or its thread) and the load generator. Their sum bounds what the machine's
+reports the CPU it took per answer and the cores it kept busy (``cores``): the loop (the
+server's main thread), the model (its process, or its thread) and the load generator;
+``model_busy`` is the share of the phase's time the model was running a batch. Their sum bounds what the machine's
 cores can serve (``cpu_bound_64_vs_ceiling``: that bound over the module's ceiling), so
 a ratio short of a target says whether the cores or the serving fell short. For the
 mixed-length pair, the round also profiles the module (``vega profile``) and runs the
@@ -179,12 +180,18 @@ class Server:
         split = [thread_split(self.proc.pid, *c["threads"]) or (0.0, 0.0, 0.0)
                  for c in counters]
         loop_s, model_thread_s = sum(s[0] for s in split), sum(s[1] for s in split)
+        seconds = sum(s for _, s, _ in self.slices)
+        phase["model_busy"] = round(sum(c["busy_s"] for c in counters) / seconds, 2)
         if answers and loop_s:
             model_s = sum(c["kids_s"] for c in counters) if self.kids else model_thread_s
+            loadgen_s = sum(c["loadgen_s"] for c in counters)
             phase["cpu_us_per_answer"] = {
                 "loop": round(1e6 * loop_s / answers, 1),
                 "model": round(1e6 * model_s / answers, 1),
-                "loadgen": round(1e6 * sum(c["loadgen_s"] for c in counters) / answers, 1)}
+                "loadgen": round(1e6 * loadgen_s / answers, 1)}
+            phase["cores"] = {"loop": round(loop_s / seconds, 2),
+                              "model": round(model_s / seconds, 2),
+                              "loadgen": round(loadgen_s / seconds, 2)}
         return phase
 
 
