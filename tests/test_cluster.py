@@ -443,9 +443,9 @@ async def test_an_eager_module_on_two_processes_at_the_defaults_with_every_featu
     references = eager_references()
     rng = np.random.default_rng(19)
 
-    def windows(count: int) -> list[list[list[float]]]:
+    def windows(count: int, longest: int = 256) -> list[list[list[float]]]:
         return [rng.standard_normal((int(n), 8)).round(4).tolist()
-                for n in rng.integers(16, 257, size=count)]
+                for n in rng.integers(16, longest + 1, size=count)]
 
     # A steady load on A, more than it runs at once: B takes some of its batches.
     steady = [{"inputs": rows} for rows in windows(200)]
@@ -463,8 +463,10 @@ async def test_an_eager_module_on_two_processes_at_the_defaults_with_every_featu
     # A burst of many-window requests, far past what the pair runs within the interval:
     # what the main model would refuse goes to the fallback (normal is degradable). Its
     # 768 windows pass the degrade watermark (256 queued) even while both processes drain
-    # the queue as it fills; half as many did not always.
-    burst = [{"instances": windows(16)} for _ in range(48)]
+    # the queue as it fills; half as many did not always. Its windows are short: at up to
+    # 256 steps a VM whose loop is slow shed 25-33 of the 48, and in one run of five every
+    # request the fallback took had a window shed (none degraded).
+    burst = [{"instances": windows(16, longest=64)} for _ in range(48)]
     responses = await post_all(a.url, burst, concurrency=len(burst))
     counts = outcomes(responses)
     assert counts["ok"] > 0 and set(counts) <= {"ok", "queue_full", "shed"}, counts
