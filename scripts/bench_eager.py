@@ -28,12 +28,13 @@ differ by a third.
 Ratios come from one run; the load generator shares the machine's cores. Each phase also
 reports the CPU it took per answer and the cores it kept busy (``cores``): the loop (the
 server's main thread), the model (its process, or its thread) and the load generator;
-``model_busy`` is the share of the phase's time the model was running a batch. Their sum bounds what the machine's
-cores can serve (``cpu_bound_64_vs_ceiling``: that bound over the module's ceiling), so
-a ratio short of a target says whether the cores or the serving fell short. For the
-mixed-length pair, the round also profiles the module (``vega profile``) and runs the
-same 64 callers through the real batcher in virtual time at those costs (``vega
-simulate``): ``mixed_simulated_buckets_vs_one_bucket`` is what the batcher would give on this
+``model_busy`` is the share of the phase's time the model was running a batch. The sum
+of the CPU per answer bounds what the machine's cores can serve
+(``cpu_bound_64_vs_ceiling``: that bound over the module's ceiling), so a ratio short of
+a target says whether the cores or the serving fell short. For the mixed-length pair,
+the round also profiles the module (``vega profile``) and runs the same 64 callers
+through the real batcher in virtual time at those costs (``vega simulate``):
+``mixed_simulated_buckets_vs_one_bucket`` is what the batcher would give on this
 machine at this minute's costs, with no loop, load generator or drift.
 """
 
