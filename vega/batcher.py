@@ -1,12 +1,11 @@
 """The batcher: length buckets, priorities, deadlines, and the size/wait triggers.
 
-Items wait in one deque per (length bucket, class) (vega.queues). The loop wakes on
-events only: an enqueue, a timer for when the oldest item's wait runs out (or a held
-batch falls due), or a finished batch freeing a thread. Work-conserving
-(``dispatch_when_idle``), a free thread takes what is queued at once, a busy one lets
-batches grow until a thread is about to free; otherwise a batch is due when
-full or when its oldest item has waited ``max_wait_s``. Formed batches go to an injected
-``sink`` (the executor, or the overflow channel): no HTTP, torch or Redis here.
+Items wait in one deque per (length bucket, class) (vega.queues). The loop wakes on events only:
+an enqueue, a timer for when the oldest item's wait runs out (or a held batch falls due), or a
+finished batch freeing a thread. Work-conserving (``dispatch_when_idle``), a free thread takes
+what is queued at once, a busy one lets batches grow until a thread is about to free; otherwise
+a batch is due when full or when its oldest item has waited ``max_wait_s``. Formed batches go to
+an injected ``sink`` (the executor, or the overflow channel): no HTTP, torch or Redis here.
 
 What admission needs to decide (depth per class, backlog, service rate, predicted
 batch time) the batcher exposes as values.
@@ -37,7 +36,7 @@ log = logging.getLogger("vega.batcher")
 # batch while fresher items queue behind it; formed later the thread sits idle. The lead
 # is the freeing batch's, not the candidate's, or long buckets always fall due first.
 # Behind a full batch's worth of queue the batch is chosen from what already waits, so it
-# goes FORM_AHEAD_DEEP_S ahead: a loop that busy can be late by more than the least lead.
+# goes as far ahead as batch ends were lately seen late (late_s), FORM_AHEAD_DEEP_S at least.
 FORM_AHEAD = 0.3
 FORM_AHEAD_MIN_S = 0.002
 FORM_AHEAD_DEEP_S = 0.004
@@ -259,7 +258,9 @@ class Batcher(Queues):
                 return None, None  # a finishing batch wakes the loop
             idle = True
         run = self._inflight.freeing_run() if hold and not idle else None
-        form_at = now if run is None else _form_at(*run, self.depth() >= self.config.max_batch_size)
+        deep = self.depth() >= self.config.max_batch_size
+        lead = max(FORM_AHEAD_DEEP_S, self._inflight.late_s) if deep else FORM_AHEAD_MIN_S
+        form_at = now if run is None else _form_at(*run, lead)
         # A partial batch, too, is formed ahead of a predicted end: held until the thread
         # freed, it reached the model a loop turn and a thread hand-off late.
         partial_ahead = run is not None and run[1] > run[0]
@@ -454,6 +455,6 @@ def _fail(items: Sequence[Item], error: VegaError) -> None:
             item.future.set_exception(error)
 
 
-def _form_at(start: float, end: float, deep: bool) -> float:
+def _form_at(start: float, end: float, least_lead: float) -> float:
     """When the batch after one predicted to run from ``start`` to ``end`` may be formed."""
-    return end - max(FORM_AHEAD_DEEP_S if deep else FORM_AHEAD_MIN_S, FORM_AHEAD * (end - start))
+    return end - max(least_lead, FORM_AHEAD * (end - start))

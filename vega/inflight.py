@@ -9,6 +9,11 @@ heartbeat read how many threads are busy.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+
+# Batch ends the lateness is taken from: enough to span a burst of the loop's busy turns,
+# few enough that a burst past is forgotten within a few batches' time.
+LATE_ENDS = 16
 
 Run = tuple[float, float]  # predicted (start, end), loop clock
 
@@ -19,6 +24,7 @@ class Inflight:
     def __init__(self, parallelism: int) -> None:
         self.parallelism = parallelism
         self._runs: dict[asyncio.Future[None], Run] = {}
+        self._late: deque[float] = deque(maxlen=LATE_ENDS)
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -34,9 +40,17 @@ class Inflight:
         _, end = self._runs.pop(done)
         # A batch queued behind this one started when this one ended, not when predicted.
         late = now - end
+        self._late.append(late)
         for other, (start, other_end) in list(self._runs.items()):
             if start >= end:
                 self._runs[other] = (start + late, other_end + late)
+
+    @property
+    def late_s(self) -> float:
+        """The most that one of the last LATE_ENDS batches was seen ending past its predicted
+        end. The loop sees an end only when it gets to it, and a loop that busy runs its timers
+        as late: a batch formed only just before a predicted end leaves the model waiting."""
+        return max(0.0, max(self._late, default=0.0))
 
     def freeing_run(self) -> Run | None:
         """Predicted run of the batch whose end frees a thread for one more; None: one is free."""

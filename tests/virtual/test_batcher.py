@@ -11,6 +11,7 @@ import pytest
 
 from vega.batcher import FORM_AHEAD, FORM_AHEAD_DEEP_S, FORM_AHEAD_MIN_S, Batcher, BatcherConfig
 from vega.errors import VegaError
+from vega.inflight import LATE_ENDS, Inflight
 from vega.records import CRITICAL, JOB, NORMAL, SHEDDABLE, Batch, Item
 
 
@@ -188,11 +189,62 @@ async def test_behind_a_full_batch_of_queue_the_next_one_is_formed_further_ahead
     assert batcher.pump() == pytest.approx(end - FORM_AHEAD_MIN_S)
     later += [item(batcher, length=10), item(batcher, length=40)]
     assert batcher.pump() == pytest.approx(end - FORM_AHEAD_DEEP_S)
+    await _answered(batcher, sink, first + later)
+
+
+async def _answered(batcher: Batcher, sink: RecordingSink, items: list[Item]) -> None:
+    """Open the sink and run the batcher until ``items`` are answered."""
     task = asyncio.create_task(batcher.run())
     sink.gate.set()
-    await asyncio.wait_for(asyncio.gather(*(i.future for i in first + later)), 5)
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 5)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_behind_a_full_batch_of_queue_the_lead_covers_batch_ends_seen_late() -> None:
+    # A batch predicted at 20 ms is seen ending 60 ms after it started: a loop busy with a
+    # burst gets to an end, and to its timers, that late. Behind a full batch's worth of
+    # queue the next one is then formed 40 ms ahead of the running batch's predicted end,
+    # here as soon as that batch starts; behind half a batch the usual lead holds.
+    batcher, sink = held({0: (0.004, 0.004), 1: (0.004, 0.004), 2: (0.004, 0.004)})
+    loop = asyncio.get_running_loop()
+    first = [item(batcher, length=500) for _ in range(4)]  # its 1-ms answer costs bucket 2
+    assert batcher.pump() is None  # the idle thread took the full batch
+    await asyncio.sleep(0.060)
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in first)), 5)
+    await _until(lambda: batcher.inflight == 0)
+    sink.gate.clear()
+    second = [item(batcher) for _ in range(4)]
+    assert batcher.pump() is None  # the idle thread took it
+    run_s = batcher.times.predict(0, 4)
+    end = loop.time() + run_s
+    await _until(lambda: len(sink.batches) == 2)
+    later = [item(batcher, length=10), item(batcher, length=40)]
+    assert batcher.pump() == pytest.approx(end - FORM_AHEAD * run_s)  # half a batch: it waits
+    later += [item(batcher, length=10), item(batcher, length=40)]
+    assert batcher.pump() is None and batcher.depth() == 0  # deep: formed now
+    await _answered(batcher, sink, second + later)
+
+
+async def test_the_lateness_of_batch_ends_is_forgotten_after_a_few_batches() -> None:
+    inflight = Inflight(parallelism=1)
+    loop = asyncio.get_running_loop()
+
+    def ran(late_s: float) -> None:
+        done = loop.create_future()
+        inflight.add(done, now=1.0, run_s=0.01)
+        inflight.remove(done, now=1.01 + late_s)
+
+    assert inflight.late_s == 0.0
+    ran(0.05)
+    ran(-0.002)  # ended early: never a negative lead
+    assert inflight.late_s == pytest.approx(0.05)
+    for _ in range(LATE_ENDS - 2):
+        ran(0.0)
+    assert inflight.late_s == pytest.approx(0.05)  # still among the last LATE_ENDS
+    ran(-0.001)
+    assert inflight.late_s == 0.0
 
 
 async def test_a_batch_formed_ahead_refuses_items_its_wait_would_make_late(running: Start) -> None:
