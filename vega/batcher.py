@@ -258,7 +258,7 @@ class Batcher(Queues):
                 return None, None  # a finishing batch wakes the loop
             idle = True
         run = self._inflight.freeing_run() if hold and not idle else None
-        deep = self.depth() >= self.config.max_batch_size
+        deep = run is not None and self.depth() >= self.config.max_batch_size
         lead = max(FORM_AHEAD_DEEP_S, self._inflight.late_s) if deep else FORM_AHEAD_MIN_S
         form_at = now if run is None else _form_at(*run, lead)
         # A partial batch, too, is formed ahead of a predicted end: held until the thread
