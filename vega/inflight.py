@@ -25,6 +25,10 @@ class Inflight:
         self.parallelism = parallelism
         self._runs: dict[asyncio.Future[None], Run] = {}
         self._late: deque[float] = deque(maxlen=LATE_ENDS)
+        # The most that one of the last LATE_ENDS batches was seen ending past its predicted
+        # end (never below 0). The loop sees an end only when it gets to it, and a loop that
+        # busy runs its timers as late: a batch formed only just ahead leaves the model waiting.
+        self.late_s = 0.0
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -40,17 +44,11 @@ class Inflight:
         _, end = self._runs.pop(done)
         # A batch queued behind this one started when this one ended, not when predicted.
         late = now - end
-        self._late.append(late)
+        self._late.append(max(0.0, late))
+        self.late_s = max(self._late)  # once per batch end, not per look at the queue
         for other, (start, other_end) in list(self._runs.items()):
             if start >= end:
                 self._runs[other] = (start + late, other_end + late)
-
-    @property
-    def late_s(self) -> float:
-        """The most that one of the last LATE_ENDS batches was seen ending past its predicted
-        end. The loop sees an end only when it gets to it, and a loop that busy runs its timers
-        as late: a batch formed only just before a predicted end leaves the model waiting."""
-        return max(0.0, max(self._late, default=0.0))
 
     def freeing_run(self) -> Run | None:
         """Predicted run of the batch whose end frees a thread for one more; None: one is free."""
