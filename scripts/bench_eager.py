@@ -18,7 +18,9 @@ runs on a fresh server, and each round takes them in turn:
 5. the same lengths with the configured bounds as given (VEGA_BUCKET_PADDING=0);
 6. phases 2 and 3 with the module at width 256 (``encoder_wide``), against its own ceiling;
 7. the HTTP path alone: a model that costs nothing (``echo_fast``, in a thread), 64
-   connections: what one process's loop answers at most on this machine.
+   connections: what one process's loop answers at most on this machine;
+8. phase 4's pair with the module compiled ahead of time (``vega export``, served as
+   ``aoti:PATH``; compiled once per run, before the first round).
 
 A pair's two servers are up at once and loaded in turn, A B B A A B B A, each for half
 of SECONDS at a time: the two sides of a target's ratio then see the same machine,
@@ -69,6 +71,7 @@ from bench_core import (  # noqa: E402
 MODEL = "python:tests.models:encoder"
 WIDE = "python:tests.models:encoder_wide"
 MIXED = "uniform:16:256"
+COMPILED = "aoti:"  # + the package main() compiles, once per run (compile_module)
 PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("fixed_thread_64", {"VEGA_EXECUTOR": "thread"}, 64, "64"),
     ("fixed_default_64", {}, 64, "64"),
@@ -82,10 +85,14 @@ PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("wide_default_64", {"VEGA_MODEL": WIDE}, 64, "64"),
     ("http_path_64", {"VEGA_MODEL": "python:tests.models:echo_fast", "VEGA_EXECUTOR": "thread"},
      64, "64"),
+    ("compiled_buckets_64", {"VEGA_MODEL": COMPILED}, 64, MIXED),
+    ("compiled_one_bucket_64", {"VEGA_MODEL": COMPILED, "VEGA_LENGTH_BUCKETS": "512",
+                                "VEGA_BUCKET_PADDING": "0"}, 64, MIXED),
 )
 SPECS = {name: (env, connections, lengths) for name, env, connections, lengths in PHASES}
 # Phases run as a pair (run_pair), for the targets that are their ratio.
-PAIRED = {"fixed_default_64": "fixed_default_1024", "mixed_buckets_64": "mixed_one_bucket_64"}
+PAIRED = {"fixed_default_64": "fixed_default_1024", "mixed_buckets_64": "mixed_one_bucket_64",
+          "compiled_buckets_64": "compiled_one_bucket_64"}
 
 
 def load(port: int, connections: int, seconds: float, lengths: str, out: Path
@@ -272,6 +279,15 @@ def simulated(number: int, names: tuple[str, ...], seconds: float, out: Path
     return rates
 
 
+def compile_module(out: Path) -> None:
+    """``vega export`` the module once; the compiled phases serve the package."""
+    package = out / "encoder.pt2"
+    _vega("export", "--model", MODEL, "--out", str(package))
+    for _name, env, _connections, _lengths in PHASES:
+        if env.get("VEGA_MODEL") == COMPILED:
+            env["VEGA_MODEL"] = f"{COMPILED}{package}"  # SPECS holds the same dicts
+
+
 def _vega(*args: str) -> None:
     """A ``vega`` command, quiet unless it fails."""
     done = subprocess.run([sys.executable, "-m", "vega", *args], cwd=ROOT,
@@ -295,6 +311,9 @@ RATIOS = {  # name: (phase, what it is divided by: a phase or a ceiling)
     "mixed_planned_vs_fixed_buckets": ("mixed_buckets_64", "mixed_fixed_buckets_64"),
     "ok_1024_vs_64": ("fixed_default_1024", "fixed_default_64"),
     "http_path_64_vs_ceiling": ("http_path_64", "ceiling_items_per_s"),
+    "compiled_mixed_buckets_vs_one_bucket": ("compiled_buckets_64", "compiled_one_bucket_64"),
+    # Two pairs loaded one after the other: the VM's drift between them counts in full.
+    "compiled_vs_eager_mixed_buckets": ("compiled_buckets_64", "mixed_buckets_64"),
 }
 
 
@@ -366,6 +385,9 @@ def main() -> int:
     out = Path(tempfile.mkdtemp(prefix="vega-bench-eager-"))
     results: dict[str, Any] = {"seconds": options.seconds, "rounds": []}
     port = 18800
+    if any(env.get("VEGA_MODEL") == COMPILED and (not chosen or name in chosen)
+           for name, env, _connections, _lengths in PHASES):
+        compile_module(out)
     for number in range(1, options.rounds + 1):
         round_: dict[str, Any] = {"ceilings_at_start": ceilings(number, "start")}
         for name, env, connections, lengths in PHASES:

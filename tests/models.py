@@ -113,6 +113,14 @@ def encoder(name: str) -> SequenceModel:
                          channels=8, max_length=512, output_size=4)
 
 
+def encoder_small(name: str) -> SequenceModel:
+    """``encoder`` at width 32 and 2 layers: the same code, quick to compile (vega export)."""
+    from vega.models.sensor import build_module
+
+    return SequenceModel(build_module(width=32, layers=2, heads=2, seed=4), name,
+                         channels=8, max_length=512, output_size=4)
+
+
 def encoder_wide(name: str) -> SequenceModel:
     """``encoder`` at width 256 (the built-in's shape, ~3.2 M parameters), eager: a module
     whose own cost per item, not the HTTP path, bounds what a server on two cores serves."""

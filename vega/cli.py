@@ -40,6 +40,7 @@ TOOLS = {
     "profile": ("vega.lab.profile", "measure the model's batch latency per bucket and size"),
     "simulate": ("vega.lab.simulate", "replay a traffic profile through the real policy code"),
     "cluster": ("vega.lab.cluster", "run N processes, Redis and Nginx on this machine"),
+    "export": ("vega.models.export", "compile a model ahead of time into a package (aoti:PATH)"),
 }
 
 

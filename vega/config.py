@@ -159,7 +159,8 @@ class Settings:
         "TCP port (0 = any free port).")
     uds: str = setting("", _text, "a path or empty",
         "Listen on this unix socket instead of host:port.")
-    model: str = setting("sensor", _text, "sensor, torchscript:PATH or python:module:attr",
+    model: str = setting("sensor", _text,
+        "sensor, torchscript:PATH, aoti:PATH or python:module:attr",
         "The model this process serves (the default for /v1/infer).")
     model_name: str = setting("", _text, "a name or empty",
         "Name the model is served under (default: derived from VEGA_MODEL).")

@@ -35,7 +35,7 @@ from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
 from vega.modelproc.handle import Answered, Lane
 from vega.modelproc.slot import ALIGN
-from vega.models import ModelAdapter, runs_eagerly
+from vega.models import ModelAdapter, holds_the_gil
 from vega.models.loader import ModelLoadError
 from vega.records import Batch
 
@@ -55,13 +55,16 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
                  specs: tuple[tuple[str, str], ...] | None) -> ProcessPlan | None:
     """How model processes are started, or None to run the models in threads.
 
-    ``auto`` picks a process for an eager torch module, whose forward pass would
-    otherwise contend with the loop for the GIL (DESIGN.md rule 12), and a thread for
-    TorchScript and other adapters. A process rebuilds the models from their specs
+    ``auto`` picks a process for an eager torch module or a compiled package, whose
+    forward pass would otherwise contend with the loop for the GIL (DESIGN.md rule 12),
+    and a thread for TorchScript and other adapters. A process rebuilds the models from their specs
     and takes their samples through shared memory, so both must be there.
     """
-    eager = any(runs_eagerly(adapter) for adapter in adapters)
-    if s.executor == "thread" or (s.executor == "auto" and (not eager or specs is None)):
+    gil = any(holds_the_gil(adapter) for adapter in adapters)
+    if s.executor == "thread" and any(getattr(a, "holds_gil", False) for a in adapters):
+        log.warning("VEGA_EXECUTOR=thread: a compiled package holds the GIL for each whole "
+                    "forward pass, stalling the event loop meanwhile; auto runs it in a process")
+    if s.executor == "thread" or (s.executor == "auto" and (not gil or specs is None)):
         return None
     if specs is None:
         raise ModelLoadError("VEGA_EXECUTOR=process needs models given by VEGA_MODEL specs")

@@ -1,6 +1,6 @@
 """Model adapters and the loader that turns a ``VEGA_MODEL`` value into one."""
 
-from vega.models.base import ModelAdapter, SequenceModel, TensorSpec, runs_eagerly
+from vega.models.base import ModelAdapter, SequenceModel, TensorSpec, holds_the_gil
 from vega.models.loader import load_model
 
-__all__ = ["ModelAdapter", "SequenceModel", "TensorSpec", "load_model", "runs_eagerly"]
+__all__ = ["ModelAdapter", "SequenceModel", "TensorSpec", "holds_the_gil", "load_model"]

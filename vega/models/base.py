@@ -149,10 +149,14 @@ class SequenceModel:
         return list(result)
 
 
-def runs_eagerly(adapter: Any) -> bool:
-    """True for a torch module that will run as Python (not TorchScript) once loaded."""
+def holds_the_gil(adapter: Any) -> bool:
+    """True for a model whose forward pass would hold the GIL against the event loop: a
+    torch module that runs as Python (not TorchScript) once loaded, or an adapter that
+    says so (``holds_gil``: a compiled package runs a whole pass in one call)."""
     import torch
 
+    if getattr(adapter, "holds_gil", False):
+        return True
     module = getattr(adapter, "module", None)
     return (isinstance(adapter, SequenceModel) and not adapter.script
             and isinstance(module, torch.nn.Module)

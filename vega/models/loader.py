@@ -1,4 +1,5 @@
-"""Turn a model spec (``sensor``, ``torchscript:PATH``, ``python:module:attr``) into an adapter."""
+"""Turn a model spec (``sensor``, ``torchscript:PATH``, ``aoti:PATH``, ``python:module:attr``)
+into an adapter."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ BUILTIN = {"sensor", "sensor-small"}
 
 def default_name(spec: str) -> str:
     kind, _, rest = spec.partition(":")
-    if kind == "torchscript":
+    if kind in ("torchscript", "aoti"):
         return Path(rest).stem or "model"
     if kind == "python":
         return rest.rpartition(":")[2] or "model"
@@ -43,8 +44,10 @@ def load_model(spec: str, name: str = "") -> ModelAdapter:
         return _torchscript(rest, name)
     if kind == "python":
         return _python(rest, name)
+    if kind == "aoti":
+        return _compiled(rest, name)
     raise ModelLoadError(f"VEGA_MODEL={spec!r}: expected sensor, sensor-small, "
-                         "torchscript:PATH or python:module:attr")
+                         "torchscript:PATH, aoti:PATH or python:module:attr")
 
 
 def _torchscript(path: str, name: str) -> ModelAdapter:
@@ -55,6 +58,15 @@ def _torchscript(path: str, name: str) -> ModelAdapter:
     except Exception as exc:  # torch raises many types for a bad file
         raise ModelLoadError(f"torchscript:{path}: cannot load: {exc}") from None
     return _wrap_module(module, name)
+
+
+def _compiled(path: str, name: str) -> ModelAdapter:
+    from vega.models.compiled import CompiledModel, PackageError
+
+    try:
+        return CompiledModel(path, name)
+    except PackageError as error:
+        raise ModelLoadError(f"aoti:{error}") from None
 
 
 def _python(target: str, name: str) -> ModelAdapter:

@@ -1,0 +1,139 @@
+"""A model compiled ahead of time (`vega export`) and served as ``aoti:PATH``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from tests.models import encoder_small
+from tests.servers import VegaProcess
+from vega.models import SequenceModel, load_model
+from vega.models.compiled import CompiledModel, PackageError, read_metadata
+from vega.models.export import ExportError, export_package
+from vega.models.loader import ModelLoadError
+
+pytestmark = pytest.mark.slow  # started first (tests/scheduling.py): one compile, ~20 s
+
+SMALL = "python:tests.models:encoder_small"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def export(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vega", "export", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("compiled") / "small.pt2"
+    done = export("--model", SMALL, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"VEGA_MODEL=aoti:{out}" in done.stderr
+    return out
+
+
+def reference() -> SequenceModel:
+    model = encoder_small("reference")  # the same seed, run eagerly in this process
+    model.load("cpu")
+    return model
+
+
+def test_the_package_carries_what_serving_it_needs(package: Path) -> None:
+    metadata = read_metadata(package)
+    assert {key: metadata[f"vega.{key}"] for key in
+            ("channels", "max_length", "output_size", "length_multiple", "least_length")} == \
+        {"channels": "8", "max_length": "512", "output_size": "4",
+         "length_multiple": "8", "least_length": "16"}  # the module pads to whole patches
+    model = load_model(f"aoti:{package}")
+    assert isinstance(model, CompiledModel) and model.name == "small"
+    assert (model.channels, model.max_length, model.module) == (8, 512, None)  # not loaded
+
+
+@pytest.mark.parametrize("lengths", [[64] * 8, [1, 5, 9, 16, 37, 130, 256], [512, 3]])
+def test_the_package_answers_as_the_module_does(package: Path, lengths: list[int]) -> None:
+    model = load_model(f"aoti:{package}")
+    model.load("cpu")
+    eager = reference()
+    rng = np.random.default_rng(len(lengths))
+    samples = [model.decode(rng.standard_normal((n, 8)).tolist())[0] for n in lengths]
+    compiled = model.run(samples, max(lengths))
+    direct = eager.run(samples, max(lengths))
+    assert len(compiled) == len(samples)
+    for got, want in zip(compiled, direct):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_auto_serves_the_package_in_a_model_process(
+        package: Path, vega: Callable[..., VegaProcess]) -> None:
+    proc = vega(VEGA_MODEL=f"aoti:{package}")
+    status = httpx.get(proc.url + "/v1/status", timeout=5).json()
+    assert status["executor"]["kind"] == "process"
+    assert list(status["models"]) == ["small"]
+    eager = reference()
+    rng = np.random.default_rng(19)
+    for length in (3, 40, 200, 512):
+        rows = rng.standard_normal((length, 8)).astype(np.float32)
+        answer = httpx.post(proc.url + "/v1/infer", timeout=30,
+                            content=orjson.dumps({"inputs": rows.tolist()}))
+        assert answer.status_code == 200, answer.text
+        want = eager.run([rows], length)[0]
+        np.testing.assert_allclose(answer.json()["outputs"], want, rtol=0, atol=1e-5)
+
+
+def test_a_package_for_another_device_is_refused_before_it_loads(package: Path) -> None:
+    model = CompiledModel(str(package), "small")
+    with pytest.raises(PackageError, match="compiled for cpu, not cuda"):
+        model.load("cuda")
+    assert model.module is None
+
+
+def test_what_is_not_a_package_of_vega_export_is_refused_clearly(
+        package: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        load_model(f"aoti:{tmp_path / 'missing.pt2'}")
+    plain = tmp_path / "plain.pt2"
+    with zipfile.ZipFile(plain, "w") as archive:
+        archive.writestr("plain/archive_format", "pt2")
+    with pytest.raises(ModelLoadError, match="not an AOTInductor package"):
+        load_model(f"aoti:{plain}")
+    # A package whose Vega metadata is gone (an AOTInductor package from elsewhere).
+    stripped = tmp_path / "stripped.pt2"
+    with zipfile.ZipFile(package) as source, zipfile.ZipFile(stripped, "w") as target:
+        for name in source.namelist():
+            data = source.read(name)
+            if name.endswith("wrapper_metadata.json"):
+                data = orjson.dumps({k: v for k, v in orjson.loads(data).items()
+                                     if not k.startswith("vega.")})
+            target.writestr(name, data)
+    with pytest.raises(ModelLoadError, match="not written by `vega export`"):
+        load_model(f"aoti:{stripped}")
+
+
+def test_export_refuses_what_it_cannot_compile(tmp_path: Path) -> None:
+    wrong_name = export("--model", SMALL, "--out", str(tmp_path / "small.bin"))
+    assert wrong_name.returncode == 2 and "must end in .pt2" in wrong_name.stderr
+    unknown = export("--model", "python:tests.models:nothing", "--out", str(tmp_path / "x.pt2"))
+    assert unknown.returncode == 2 and "nothing" in unknown.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_module_that_branches_on_its_values_is_not_compiled(tmp_path: Path) -> None:
+    import torch
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            total = x.sum(dim=(1, 2))[:, None]
+            return total if bool(x.sum() > 0) else -total
+
+    model = SequenceModel(Branchy(), "branchy", channels=8, max_length=64, output_size=1)
+    with pytest.raises(ExportError, match="cannot trace it"):
+        export_package(model, tmp_path / "branchy.pt2")
+    assert list(tmp_path.iterdir()) == []
