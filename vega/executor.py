@@ -57,8 +57,8 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
 
     ``auto`` picks a process for an eager torch module or a compiled package, whose
     forward pass would otherwise contend with the loop for the GIL (DESIGN.md rule 12),
-    and a thread for TorchScript and other adapters. A process rebuilds the models from their specs
-    and takes their samples through shared memory, so both must be there.
+    and a thread for TorchScript and other adapters. A process rebuilds the models from
+    their specs and takes their samples through shared memory, so both must be there.
     """
     gil = any(holds_the_gil(adapter) for adapter in adapters)
     if s.executor == "thread" and any(getattr(a, "holds_gil", False) for a in adapters):
