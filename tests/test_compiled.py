@@ -79,13 +79,17 @@ def test_auto_serves_the_package_in_a_model_process(
     assert list(status["models"]) == ["small"]
     eager = reference()
     rng = np.random.default_rng(19)
-    for length in (3, 40, 200, 512):
+    for length in (3, 41, 200, 512):
         rows = rng.standard_normal((length, 8)).astype(np.float32)
         answer = httpx.post(proc.url + "/v1/infer", timeout=30,
                             content=orjson.dumps({"inputs": rows.tolist()}))
         assert answer.status_code == 200, answer.text
         want = eager.run([rows], length)[0]
         np.testing.assert_allclose(answer.json()["outputs"], want, rtol=0, atol=1e-5)
+    # One window a batch, run at the least length (16) and at whole patches (41 -> 48):
+    # the padding reported is what the package ran, 13 + 7 steps of 16 + 48 + 200 + 512.
+    status = httpx.get(proc.url + "/v1/status", timeout=5).json()
+    assert status["models"]["small"]["padding_share"] == round(20 / 776, 4)
 
 
 def test_a_package_for_another_device_is_refused_before_it_loads(package: Path) -> None:

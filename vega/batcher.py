@@ -65,12 +65,14 @@ class BatcherConfig:
     # A job batch is cut to what is predicted to run in this long: an inline request
     # that arrives while it runs waits at most that.
     job_batch_s: float = 0.02
+    # The length the model pads a batch's longest window to (a compiled package rounds up).
+    pad: Callable[[int], int] | None = None
 
     @classmethod
-    def from_settings(cls, s: Settings, model: str, max_length: int,
-                      hands_off: bool = False) -> BatcherConfig:
+    def from_settings(cls, s: Settings, model: str, max_length: int, hands_off: bool = False,
+                      pad: Callable[[int], int] | None = None) -> BatcherConfig:
         """A model's batcher as the settings describe it (the simulator builds the same)."""
-        return cls(model=model, buckets=length_bounds(s.length_buckets, max_length),
+        return cls(model=model, buckets=length_bounds(s.length_buckets, max_length), pad=pad,
                    max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
                    dispatch_when_idle=s.dispatch_when_idle, hands_off=hands_off,
                    max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,
@@ -176,8 +178,7 @@ class Batcher(Queues):
         self._wake.set()
 
     def _maybe_idle(self) -> None:
-        # Only ever set when truly idle, so a drain waiting on it cannot wake early
-        # for a batch that is formed but not yet dispatched.
+        # Only when truly idle: a drain must not wake for a batch formed, not yet dispatched.
         if not any(self._depth) and not self._inflight:
             self._idle.set()
 
@@ -269,9 +270,7 @@ class Batcher(Queues):
                 continue
             heads = [first_live(queue) for queue in queues[lane]]
             if all(item is None for item in heads):
-                # Counted but no longer live: answered or cancelled, and its done
-                # callback (which fixes the counts) has not run yet.
-                continue
+                continue  # answered or cancelled, its done callback (the counts) not run yet
             oldest = min(item.enqueued_at for item in heads if item is not None)
             ready_at = oldest + self.config.max_wait_s
             full = depth[bucket] >= self.config.max_batch_size
@@ -327,7 +326,7 @@ class Batcher(Queues):
             self._drained_at = now
         pad_to = max((item.length for item in items), default=0)
         return Batch(model=self.config.model, bucket=top, items=items, formed_at=now,
-                     pad_to=pad_to)
+                     pad_to=pad_to if self.config.pad is None else self.config.pad(pad_to))
 
     def _lane(self) -> tuple[slice, list[int]]:
         """The classes the next batch takes, and their depth per bucket: the inline

@@ -125,9 +125,10 @@ class Runtime:
         await loop.run_in_executor(None, self.executor.load, self.device)
         self.executor.bind(loop)
         for adapter in self._adapters:
-            batcher = Batcher(BatcherConfig.from_settings(s, adapter.name, adapter.max_length,
-                                                         hands_off=bool(s.redis_url)),
-                              self._sink, self.metrics.observe_batch)
+            config = BatcherConfig.from_settings(s, adapter.name, adapter.max_length,
+                                                 hands_off=bool(s.redis_url),
+                                                 pad=getattr(adapter, "padded_length", None))
+            batcher = Batcher(config, self._sink, self.metrics.observe_batch)
             await self.executor.call(self._warm_up, adapter, batcher)
             batcher = planned(batcher, s)
             served = Served(adapter, batcher, Admission(AdmissionConfig.from_settings(s), batcher, loop.time(),

@@ -86,6 +86,11 @@ class CompiledModel(SequenceModel):
         self._device = device
         self.module = torch._inductor.aoti_load_package(self.path, device_index=index)
 
-    def run(self, samples: list[Any], pad_to: int) -> list[Any]:
+    def padded_length(self, longest: int) -> int:
+        """The length a batch whose longest window is ``longest`` runs at (the batcher
+        reports its padding at this length)."""
         multiple = self.length_multiple
-        return super().run(samples, max(self.least_length, -(-pad_to // multiple) * multiple))
+        return max(self.least_length, -(-longest // multiple) * multiple)
+
+    def run(self, samples: list[Any], pad_to: int) -> list[Any]:
+        return super().run(samples, self.padded_length(pad_to))
