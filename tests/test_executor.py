@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -82,6 +83,29 @@ async def echo_executor() -> tuple[Executor, SequenceModel]:
     executor = Executor({"echo": model}, plan=plan(ECHO, "echo"))
     await asyncio.get_running_loop().run_in_executor(None, executor.load, "cpu")
     return executor, model
+
+
+@pytest.mark.parametrize("way", ["thread", "process"])
+async def test_the_runner_tells_of_a_batch_end_first_and_when_it_ended(way: str) -> None:
+    if way == "process":
+        executor, model = await echo_executor()
+    else:
+        model = echo("echo")
+        model.load("cpu")
+        executor = Executor({"echo": model})
+    try:
+        batch = echo_batch(model, 0.5, size=2)
+        told: list[tuple[float, list[bool], float | None]] = []
+        batch.on_end = lambda ran: told.append(
+            (time.monotonic(), [i.future.done() for i in ran.items], ran.ended_at))
+        sent = time.monotonic()
+        await executor.run(batch)
+        [(at, answered, ended_at)] = told
+        assert answered == [False, False]  # told before its items were answered
+        assert ended_at is not None and sent <= ended_at <= at  # the runner's own clock
+        assert [i.future.result()[2] for i in batch.items] == [2.0, 2.0]
+    finally:
+        executor.shutdown()
 
 
 async def test_a_raising_model_fails_only_its_batch_in_a_model_process() -> None:

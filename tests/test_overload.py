@@ -66,7 +66,9 @@ async def test_overload_refuses_with_retry_after_and_answers_every_admitted(
     seen = codes(responses)
     assert sum(seen.values()) == 200
     assert set(seen) <= {"ok", "queue_full", "deadline_unmeetable"}, seen
-    assert seen["ok"] >= 8 and seen["queue_full"] > 0, seen
+    # At least the queue's bound for normal requests (90% of 8) is admitted and answered;
+    # more when a batch leaves the queue before the flood has all arrived (not on a busy host).
+    assert seen["ok"] >= 7 and seen["queue_full"] > 0, seen
     for r in responses:
         assert isinstance(r, httpx.Response)
         if r.status_code == 429:

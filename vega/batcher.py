@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,7 +240,7 @@ class Batcher(Queues):
             except Exception:
                 log.exception("batch loop error; failing the batch and going on")
                 if batch is not None:
-                    _fail(batch.items, VegaError("model_error", "internal error forming batch"))
+                    batch.fail(VegaError("model_error", "internal error forming batch"))
                 return now  # look again once pending callbacks have run, not in a tight loop
         return None
 
@@ -410,48 +410,47 @@ class Batcher(Queues):
         return None
 
     def _dispatch(self, batch: Batch) -> None:
+        batch.on_end = self._ended
         done = asyncio.ensure_future(self._sink(batch))
-        self._track(batch, done)
+        self._track(batch)
         done.add_done_callback(functools.partial(self._finished, batch))
 
     def hold(self, batch: Batch, done: asyncio.Future[None]) -> None:
         """Count a batch of our own that runs here undispatched (one taken back from peers):
         it holds a thread, so the waits, spare threads and idleness must see it till it ends."""
-        self._track(batch, done)
-        done.add_done_callback(self._released)
+        self._track(batch)
+        done.add_done_callback(lambda _done: self._released(batch))
 
-    def _track(self, batch: Batch, done: asyncio.Future[None]) -> None:
-        self._inflight.add(done, asyncio.get_running_loop().time(),
+    def _track(self, batch: Batch) -> None:
+        self._inflight.add(batch, asyncio.get_running_loop().time(),
                            self.times.predict(batch.bucket, batch.size))
         self._idle.clear()
 
-    def _released(self, done: asyncio.Future[None]) -> None:
+    def _released(self, batch: Batch) -> None:
         """A batch ended, dispatched or held: its thread is free, so start what is due
-        now, before the handlers the batch woke."""
-        self._inflight.remove(done, asyncio.get_running_loop().time())
-        self._pump_here()
+        now, before the handlers the batch woke. Once, whichever tells of the end first."""
+        if batch in self._inflight:
+            self._inflight.remove(batch, asyncio.get_running_loop().time(), batch.ended_at)
+            self._pump_here()
         self._maybe_idle()
+
+    def _ended(self, batch: Batch) -> None:
+        """The batch ran (its runner says so first; else its future's callback does)."""
+        if batch in self._inflight and batch.infer_s > 0:
+            self.batch_steps += batch.steps
+            self.padded_steps += batch.padded_steps
+            self.times.observe(batch.bucket, batch.size, batch.infer_s)
+            self.rate.observe(batch.size, sum(item.cost for item in batch.items), batch.infer_s)
+        self._released(batch)  # measured first: the next batch is predicted with it
 
     def _finished(self, batch: Batch, done: asyncio.Future[None]) -> None:
         error = None if done.cancelled() else done.exception()
         if error is not None:
             log.error("batch %d failed outside the model: %r", batch.id, error)
-            _fail(batch.items, VegaError("model_error", "batch failed"))
-        elif batch.infer_s > 0:
-            steps = batch.pad_to * batch.size
-            self.batch_steps += steps
-            self.padded_steps += steps - sum(item.length for item in batch.items)
-            self.times.observe(batch.bucket, batch.size, batch.infer_s)
-            self.rate.observe(batch.size, sum(item.cost for item in batch.items), batch.infer_s)
-        self._released(done)  # measured first: the next batch is predicted with it
+            batch.fail(VegaError("model_error", "batch failed"))
+        (self._released if error is not None else self._ended)(batch)
         if self._on_batch_done is not None:
             self._on_batch_done(batch)
-
-
-def _fail(items: Sequence[Item], error: VegaError) -> None:
-    for item in items:
-        if not item.future.done():
-            item.future.set_exception(error)
 
 
 def _form_at(start: float, end: float, least_lead: float) -> float:

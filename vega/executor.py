@@ -218,18 +218,18 @@ class Executor:
                 lane.process.submit(lane.index, job.model, job.samples, job.pad_to, answered)
             except Exception as exc:  # not sent: not up, or samples that cannot cross
                 # Failed on the next turn, as a sent batch is: never inside run().
-                asyncio.get_running_loop().call_soon(answered, None, 0.0, exc)
+                asyncio.get_running_loop().call_soon(answered, None, 0.0, time.monotonic(), exc)
 
     def _answered(self, lane: Lane, job: _Job, outputs: list[Any] | None, held_s: float,
-                  error: BaseException | None) -> None:
+                  ended_at: float, error: BaseException | None) -> None:
         self._free.append(lane)
         self._running -= 1
         self._feed()  # the next batch into the child before this one's answers are written
-        job.answered(outputs, held_s, error)
+        job.answered(outputs, held_s, ended_at, error)
 
     def _ran(self, batch: Batch, done: asyncio.Future[None], outputs: list[Any] | None,
-             held_s: float, error: BaseException | None) -> None:
-        batch.infer_s = held_s
+             held_s: float, ended_at: float, error: BaseException | None) -> None:
+        batch.infer_s, batch.ended_at = held_s, ended_at
         self.busy_s += held_s
         if outputs is not None and len(outputs) != batch.size:
             error = RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
@@ -252,6 +252,7 @@ class Executor:
         except Exception as exc:  # the model's failure is this batch's alone
             error = exc
         finally:
+            batch.ended_at = time.monotonic()
             self._runners.put(runner)
             with self._lock:
                 self._running -= 1
@@ -268,7 +269,7 @@ class Executor:
             result: concurrent.futures.Future[tuple[list[Any], float]] = \
                 concurrent.futures.Future()
 
-            def answered(outputs: list[Any] | None, held_s: float,
+            def answered(outputs: list[Any] | None, held_s: float, _ended_at: float,
                          error: BaseException | None) -> None:
                 if error is not None or outputs is None:
                     result.set_exception(error or RuntimeError("no outputs"))
@@ -295,9 +296,18 @@ class Executor:
 
 def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | None,
              done: asyncio.Future[None]) -> None:
-    # ``done`` first: every future is settled in this one call, but callbacks run in the
-    # order their futures were set, so the batcher starts the next batch on the free
-    # thread before the batch's handlers write their answers.
+    # The batcher hears of the end first, here and not from ``done``'s callback, which
+    # runs behind every handler the loop has queued: so the next batch reaches the free
+    # thread or lane before this one's answers are written.
+    try:
+        if batch.on_end is not None:
+            batch.on_end(batch)
+    finally:
+        _settle(batch, outputs, error, done)
+
+
+def _settle(batch: Batch, outputs: list[Any] | None, error: BaseException | None,
+            done: asyncio.Future[None]) -> None:
     if not done.done():
         done.set_result(None)
     if error is None and outputs is not None:
@@ -312,6 +322,4 @@ def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | Non
         log.error("model %s failed on batch %d of %d: %r", batch.model, batch.id,
                   batch.size, error)
         failure = VegaError("model_error", f"model raised {type(error).__name__}")
-    for item in batch.items:
-        if not item.future.done():
-            item.future.set_exception(failure)
+    batch.fail(failure)

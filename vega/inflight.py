@@ -8,8 +8,9 @@ heartbeat read how many threads are busy.
 
 from __future__ import annotations
 
-import asyncio
+import time
 from collections import deque
+from collections.abc import Hashable
 
 # Batch ends the lateness is taken from: enough to span a burst of the loop's busy turns,
 # few enough that a burst past is forgotten within a few batches' time.
@@ -23,7 +24,7 @@ class Inflight:
 
     def __init__(self, parallelism: int) -> None:
         self.parallelism = parallelism
-        self._runs: dict[asyncio.Future[None], Run] = {}
+        self._runs: dict[Hashable, Run] = {}  # by batch
         self._late: deque[float] = deque(maxlen=LATE_ENDS)
         # The most that one of the last LATE_ENDS batches was seen ending past its predicted
         # end (never below 0). The loop sees an end only when it gets to it, and a loop that
@@ -33,22 +34,28 @@ class Inflight:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def add(self, done: asyncio.Future[None], now: float, run_s: float) -> None:
+    def __contains__(self, batch: Hashable) -> bool:
+        return batch in self._runs
+
+    def add(self, batch: Hashable, now: float, run_s: float) -> None:
         """A batch handed to the pool now, predicted to run ``run_s`` once it has a thread."""
         freeing = self.freeing_run()
         start = now if freeing is None else max(now, freeing[1])
-        self._runs[done] = (start, start + run_s)
+        self._runs[batch] = (start, start + run_s)
 
-    def remove(self, done: asyncio.Future[None], now: float) -> None:
-        """The batch ``done`` ended at ``now``."""
-        _, end = self._runs.pop(done)
-        # A batch queued behind this one started when this one ended, not when predicted.
-        late = now - end
-        self._late.append(max(0.0, late))
+    def remove(self, batch: Hashable, now: float, ended_at: float | None = None) -> None:
+        """``batch`` was seen ended at ``now`` (loop clock); it ended at ``ended_at``
+        (time.monotonic(), from whoever ran it) where known."""
+        start, end = self._runs.pop(batch)
+        self._late.append(max(0.0, now - end))
         self.late_s = max(self._late)  # once per batch end, not per look at the queue
-        for other, (start, other_end) in list(self._runs.items()):
-            if start >= end:
-                self._runs[other] = (start + late, other_end + late)
+        # A batch queued behind this one started when this one ended: not when predicted,
+        # nor when a busy loop got to the end.
+        ended = now if ended_at is None else now - max(0.0, time.monotonic() - ended_at)
+        shift = max(start, ended) - end
+        for other, (other_start, other_end) in list(self._runs.items()):
+            if other_start >= end:
+                self._runs[other] = (other_start + shift, other_end + shift)
 
     def freeing_run(self) -> Run | None:
         """Predicted run of the batch whose end frees a thread for one more; None: one is free."""

@@ -149,9 +149,8 @@ class Metrics:
         model = batch.model
         self.batch_size.labels(model).observe(batch.size)
         self.padding.labels(model).observe(batch.padding_ratio)
-        steps = batch.pad_to * batch.size
-        self.batch_steps.labels(model).inc(steps)
-        self.padded_steps.labels(model).inc(steps - sum(item.length for item in batch.items))
+        self.batch_steps.labels(model).inc(batch.steps)
+        self.padded_steps.labels(model).inc(batch.padded_steps)
         if batch.infer_s > 0:
             self.inference.labels(model).observe(batch.infer_s)
         wait = self.queue_wait.labels(model)

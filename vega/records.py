@@ -70,6 +70,10 @@ class Batch:
     formed_at: float
     pad_to: int  # longest item's length: what the batch pads to
     infer_s: float = 0.0  # measured by whoever ran it
+    ended_at: float | None = None  # time.monotonic() when it ended, by whoever ran it
+    # Set by the batcher; whoever runs the batch calls it on the loop as soon as the batch
+    # has ended, before its items are answered (so the next batch goes first).
+    on_end: Callable[[Batch], None] | None = field(default=None, repr=False)
     id: int = field(default_factory=lambda: next(_ids))
 
     @property
@@ -77,11 +81,25 @@ class Batch:
         return len(self.items)
 
     @property
+    def steps(self) -> int:
+        """Timesteps run through the model, padding included."""
+        return self.pad_to * len(self.items)
+
+    @property
+    def padded_steps(self) -> int:
+        return self.steps - sum(item.length for item in self.items)
+
+    @property
     def padding_ratio(self) -> float:
         """Share of the padded tensor that is padding (0 = none)."""
-        total = self.pad_to * len(self.items)
-        return 1.0 - sum(item.length for item in self.items) / total if total else 0.0
+        return self.padded_steps / self.steps if self.steps else 0.0
 
     @property
     def deadline(self) -> float:
         return min(item.deadline for item in self.items)
+
+    def fail(self, error: BaseException) -> None:
+        """Answer each item still waiting with ``error``."""
+        for item in self.items:
+            if not item.future.done():
+                item.future.set_exception(error)

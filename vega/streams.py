@@ -316,7 +316,7 @@ class Streams:
             # back too, and peers would idle.
             batcher.hold(batch, self._spawn(self.run_local(batch)))
         else:
-            _fail(batch, VegaError("deadline_exceeded",
+            batch.fail(VegaError("deadline_exceeded",
                                    "handed to a peer that did not answer in time"))
 
     async def _forget(self, model: str, key: str, entry_id: Any, deadline: float) -> None:
@@ -380,10 +380,10 @@ class Streams:
     def _answer(self, handoff: Handoff, reply: Reply) -> None:
         batch = handoff.batch
         if reply.error_code == "dead_letter":
-            _fail(batch, VegaError("model_error", reply.error_message))
+            batch.fail(VegaError("model_error", reply.error_message))
             return
         if reply.error_code:
-            _fail(batch, VegaError("model_error", f"on peer {reply.node}: {reply.error_message}"))
+            batch.fail(VegaError("model_error", f"on peer {reply.node}: {reply.error_message}"))
             return
         infer_s = reply.infer_ms / 1000
         for item, output in zip(batch.items, reply.outputs):
@@ -401,8 +401,4 @@ class Streams:
             log.error("redis refused a command: %r", error)
 
 
-def _fail(batch: Batch, error: VegaError) -> None:
-    for item in batch.items:
-        if not item.future.done():
-            item.future.set_exception(error)
 

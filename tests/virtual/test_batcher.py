@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -245,6 +246,45 @@ async def test_the_lateness_of_batch_ends_is_forgotten_after_a_few_batches() -> 
     assert inflight.late_s == pytest.approx(0.05)  # still among the last LATE_ENDS
     ran(-0.001)
     assert inflight.late_s == 0.0
+
+
+def test_a_batch_queued_behind_one_seen_late_starts_when_that_one_ended() -> None:
+    def schedule(ended_at: float | None) -> Inflight:
+        inflight = Inflight(parallelism=1)
+        running, queued = object(), object()
+        inflight.add(running, now=1.0, run_s=0.01)
+        inflight.add(queued, now=1.0, run_s=0.01)  # predicted to run 1.01-1.02, behind it
+        inflight.remove(running, now=1.015, ended_at=ended_at)  # the loop got to it 5 ms late
+        return inflight
+
+    told = schedule(ended_at=time.monotonic() - 0.005)  # its runner: it ended on time
+    assert told.freeing_run() == pytest.approx((1.01, 1.02), abs=1e-3)
+    assert told.late_s == pytest.approx(0.005, abs=1e-3)  # the loop's lateness still counts
+    assert schedule(ended_at=None).freeing_run() == pytest.approx((1.015, 1.025), abs=1e-3)
+
+
+async def test_a_runner_that_tells_of_a_batch_end_gets_the_next_batch_at_once(
+        running: Start) -> None:
+    """The executor calls ``on_end`` as the batch ends, before its answers: the next batch
+    is formed in that call, not when the batch's future's callbacks get their turn."""
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, dispatch_when_idle=True, max_wait_s=60.0, max_batch_size=4,
+                         max_inflight=1)
+    first = [item(batcher) for _ in range(4)]
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
+    second = [item(batcher) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    assert batcher.depth() == 4 and batcher.inflight == 1  # waiting for the one thread
+    ended = sink.batches[0]
+    assert ended.on_end is not None
+    ended.infer_s = 0.001
+    ended.on_end(ended)
+    assert batcher.depth() == 0 and batcher.inflight == 1  # the second took the thread
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in first + second)), 5)
+    await _until(lambda: batcher.inflight == 0)
+    assert batcher.batch_steps == 80  # each batch measured once, the first told of twice
 
 
 async def test_a_batch_formed_ahead_refuses_items_its_wait_would_make_late(running: Start) -> None:

@@ -106,18 +106,19 @@ def _serve(models: dict[str, Any], slots: list[memoryview], conn: Connection) ->
             del samples  # views into the slot, about to be overwritten
             outputs = [_as_array(output) for output in outputs]
             infer_s = time.perf_counter() - started
+            # When it ended on the host's monotonic clock, which the parent's loop reads too.
+            done = {"ok": True, "infer_s": infer_s, "ended_at": time.monotonic()}
             try:
                 header = slot.pack(buffer, outputs)
-                conn.send_bytes(orjson.dumps({"ok": True, "infer_s": infer_s, **header}))
+                conn.send_bytes(orjson.dumps({**done, **header}))
             except slot.SlotOverflow:
                 payload = bytearray(sum(o.nbytes for o in outputs) + slot.ALIGN * len(outputs))
                 header = slot.pack(memoryview(payload), outputs)
-                conn.send_bytes(orjson.dumps({"ok": True, "infer_s": infer_s, "inline": True,
-                                              **header}))
+                conn.send_bytes(orjson.dumps({**done, "inline": True, **header}))
                 conn.send_bytes(payload[: slot.nbytes(header)])
         except Exception as error:  # the model's failure is this batch's alone
             log.warning("model %s raised: %r", request.get("model"), error)
-            conn.send_bytes(orjson.dumps({"ok": False,
+            conn.send_bytes(orjson.dumps({"ok": False, "ended_at": time.monotonic(),
                                           "error": f"{type(error).__name__}: {error}"}))
 
 

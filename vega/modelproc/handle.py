@@ -62,8 +62,9 @@ class ProcessPlan:
     lanes: int = 2  # batches the child may hold at once: one running, one waiting in its pipe
 
 
-# Called on the loop with a batch's outputs and the seconds it held the child, or its error.
-Answered = Callable[[list[Any] | None, float, BaseException | None], None]
+# Called on the loop with a batch's outputs, the seconds it held the child and when it ended
+# (time.monotonic()), or its error.
+Answered = Callable[[list[Any] | None, float, float, BaseException | None], None]
 
 
 @dataclass
@@ -256,7 +257,10 @@ class ModelProcess:
         held_s = reply.get("infer_s")
         if not isinstance(held_s, (int, float)) or held_s < 0:
             held_s = now - started
-        sent.answered(outputs, float(held_s), error)
+        ended_at = reply.get("ended_at")
+        if not isinstance(ended_at, (int, float)):
+            ended_at = time.monotonic()
+        sent.answered(outputs, float(held_s), float(ended_at), error)
 
     def _lost(self, life: _Life, why: str) -> None:
         """This life of the child is over for the loop: fail what it held, stop reading."""
@@ -276,7 +280,7 @@ class ModelProcess:
         if held:  # one that died idle is logged by its watcher
             log.error("model process %d (pid %s) %s", self.index, life.process.pid, why)
         for sent in held:
-            sent.answered(None, 0.0, ModelProcessError(f"model process {why}"))
+            sent.answered(None, 0.0, time.monotonic(), ModelProcessError(f"model process {why}"))
 
     def close(self) -> None:
         """Stop the child (it exits when its pipe closes) and free the slot."""
