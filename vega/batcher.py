@@ -419,6 +419,7 @@ class Batcher(Queues):
         """Count a batch of our own that runs here undispatched (one taken back from peers):
         it holds a thread, so the waits, spare threads and idleness must see it till it ends."""
         self._track(batch)
+        batch.on_end = self._released  # freed as early as a dispatched batch, not measured
         done.add_done_callback(lambda _done: self._released(batch))
 
     def _track(self, batch: Batch) -> None:
