@@ -436,7 +436,8 @@ class Batcher(Queues):
         self._maybe_idle()
 
     def _ended(self, batch: Batch) -> None:
-        """The batch ran (its runner says so first; else its future's callback does)."""
+        """The batch ended (its runner says so first; else its future's callback does):
+        measured if it ran, and its thread freed."""
         if batch in self._inflight and batch.infer_s > 0:
             self.batch_steps += batch.steps
             self.padded_steps += batch.padded_steps
@@ -449,7 +450,7 @@ class Batcher(Queues):
         if error is not None:
             log.error("batch %d failed outside the model: %r", batch.id, error)
             batch.fail(VegaError("model_error", "batch failed"))
-        (self._released if error is not None else self._ended)(batch)
+        self._ended(batch)
         if self._on_batch_done is not None:
             self._on_batch_done(batch)
 

@@ -317,7 +317,7 @@ class Streams:
             batcher.hold(batch, self._spawn(self.run_local(batch)))
         else:
             batch.fail(VegaError("deadline_exceeded",
-                                   "handed to a peer that did not answer in time"))
+                                 "handed to a peer that did not answer in time"))
 
     async def _forget(self, model: str, key: str, entry_id: Any, deadline: float) -> None:
         """Tell peers the batch is answered: a thief or a reclaimer will not run it."""
