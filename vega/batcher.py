@@ -245,7 +245,7 @@ class Batcher(Queues):
         return None
 
     def _pick(self, now: float) -> tuple[int | None, float | None]:
-        """The bucket to dispatch now (highest class at its head, then oldest), or when to look again."""
+        """The bucket to dispatch now (top class at its head, then oldest), or when to look next."""
         best: tuple[int, tuple[int, float]] | None = None
         chosen = None
         wake_at: float | None = None

@@ -31,7 +31,8 @@ class Call:
     instances: list[Any]  # emptied by the runtime once decoded
     priority: int
     deadline_ms: float
-    variant: str  # how the answer is rendered (part of the cache key): "1", "n", a v2 output request
+    # How the answer is rendered (part of the cache key): "1", "n", a v2 output request.
+    variant: str
     fingerprint: str = ""  # of the body, when an Idempotency-Key names the call
     context: Any = None  # what the protocol needs to render the answer
 

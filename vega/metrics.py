@@ -37,7 +37,8 @@ class Metrics:
                                     ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("vega_batch_size", "Items per batch", ["model"],
                                     buckets=SIZE_BUCKETS, registry=r)
-        self.padding = Histogram("vega_batch_padding_ratio", "Share of a batch tensor that is padding",
+        self.padding = Histogram("vega_batch_padding_ratio",
+                                 "Share of a batch tensor that is padding",
                                  ["model"], buckets=RATIO_BUCKETS, registry=r)
         self.padded_steps = Counter("vega_padded_steps_total",
                                     "Timesteps of padding run through the model", ["model"],
@@ -57,7 +58,8 @@ class Metrics:
         self.service_rate = Gauge("vega_service_rate_items_per_second",
                                   "Measured items per second of executor time", ["model"],
                                   registry=r)
-        self.overflow = Counter("vega_overflow_batches_total", "Batches sent to or taken from peers",
+        self.overflow = Counter("vega_overflow_batches_total",
+                                "Batches sent to or taken from peers",
                                 ["direction"], registry=r)
         self.redis_up = Gauge("vega_redis_up", "1 while Redis answers, 0 when it does not",
                               registry=r)

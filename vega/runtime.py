@@ -131,8 +131,9 @@ class Runtime:
             batcher = Batcher(config, self._sink, self.metrics.observe_batch)
             await self.executor.call(self._warm_up, adapter, batcher)
             batcher = planned(batcher, s)
-            served = Served(adapter, batcher, Admission(AdmissionConfig.from_settings(s), batcher, loop.time(),
-                                                        reach=self))
+            admission = Admission(AdmissionConfig.from_settings(s), batcher, loop.time(),
+                                  reach=self)
+            served = Served(adapter, batcher, admission)
             served.task = asyncio.create_task(batcher.run(), name=f"batcher-{adapter.name}")
             served.task.add_done_callback(_log_task_end)
             self.models[adapter.name] = served
@@ -221,7 +222,8 @@ class Runtime:
 
     def served(self, name: str | None) -> Served:
         served = self.models.get(name or self.default_model)
-        if served is None and not self.ready and (name or self.default_model) in self.executor.models:
+        warming = not self.ready and (name or self.default_model) in self.executor.models
+        if served is None and warming:
             raise VegaError("not_ready", "this process is still warming up", retry_after_ms=1000.0)
         if served is None:
             raise VegaError("model_not_found", f"no model named {name!r}")

@@ -154,7 +154,8 @@ class Guard:
             return DISCONNECTED, model, priority
         except Exception:
             log.exception("request %s: internal error", request.scope.get("vega.request_id"))
-            internal = VegaError("internal_error", "internal error; the server's log has the details")
+            internal = VegaError("internal_error",
+                                 "internal error; the server's log has the details")
             return self.dialect.refusal(internal), model, priority
         if later is not None and reply.outcome in LOAD_REFUSALS:
             try:

@@ -116,7 +116,8 @@ class Streams:
         self.heart.live = value
 
     def lent(self, model: str) -> float:
-        """Executor threads the live peers say they can lend for ``model`` (0 when Redis is away)."""
+        """Executor threads the live peers say they can lend for ``model`` (0 when Redis is
+        away)."""
         return self.heart.lent(model)
 
     def room(self, model: str) -> bool:

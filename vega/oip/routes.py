@@ -122,7 +122,8 @@ class OipApi:
         body = decompress(body, request.headers.get("content-encoding"), limit)
         adapter = self.runtime.models[model].adapter
         parsed = parse_request(body, request.headers, adapter, self.settings)
-        variant = orjson.dumps([parsed.id, [(spec.name, binary) for spec, binary in parsed.outputs]])
+        outputs = [(spec.name, binary) for spec, binary in parsed.outputs]
+        variant = orjson.dumps([parsed.id, outputs])
         return Call(request, self, model, parsed.instances, parsed.priority, parsed.deadline_ms,
                     variant=variant.decode(),
                     fingerprint=hashlib.blake2b(body, digest_size=16).hexdigest() if keyed else "",
