@@ -20,7 +20,11 @@ runs on a fresh server, and each round takes them in turn:
 7. the HTTP path alone: a model that costs nothing (``echo_fast``, in a thread), 64
    connections: what one process's loop answers at most on this machine;
 8. phase 4's pair with the module compiled ahead of time (``vega export``, served as
-   ``aoti:PATH``; compiled once per run, before the first round).
+   ``aoti:PATH``; compiled once per run, before the first round);
+9. two processes on this machine, every request sent to the first, mixed lengths: with
+   Redis (overflow on at its defaults; one ``redis-server`` per run) against without, the
+   second process up and idle in both (``overflow_on_vs_off``): what overflow costs or
+   gains where the pair shares the machine's cores.
 
 A pair's two servers are up at once and loaded in turn, A B B A A B B A, each for half
 of SECONDS at a time: the two sides of a target's ratio then see the same machine,
@@ -72,6 +76,7 @@ MODEL = "python:tests.models:encoder"
 WIDE = "python:tests.models:encoder_wide"
 MIXED = "uniform:16:256"
 COMPILED = "aoti:"  # + the package main() compiles, once per run (compile_module)
+REDIS = "unix://"  # + the socket of the redis-server main() starts, once per run (start_redis)
 PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("fixed_thread_64", {"VEGA_EXECUTOR": "thread"}, 64, "64"),
     ("fixed_default_64", {}, 64, "64"),
@@ -88,11 +93,16 @@ PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("compiled_buckets_64", {"VEGA_MODEL": COMPILED}, 64, MIXED),
     ("compiled_one_bucket_64", {"VEGA_MODEL": COMPILED, "VEGA_LENGTH_BUCKETS": "512",
                                 "VEGA_BUCKET_PADDING": "0"}, 64, MIXED),
+    # A second process beside the loaded one (PEERED), with and without Redis between them.
+    ("overflow_on_64", {"VEGA_REDIS_URL": REDIS}, 64, MIXED),
+    ("overflow_off_64", {}, 64, MIXED),
 )
 SPECS = {name: (env, connections, lengths) for name, env, connections, lengths in PHASES}
 # Phases run as a pair (run_pair), for the targets that are their ratio.
 PAIRED = {"fixed_default_64": "fixed_default_1024", "mixed_buckets_64": "mixed_one_bucket_64",
-          "compiled_buckets_64": "compiled_one_bucket_64"}
+          "compiled_buckets_64": "compiled_one_bucket_64", "overflow_on_64": "overflow_off_64"}
+# Phases whose server has a peer process, started with the same settings and left idle.
+PEERED = {"overflow_on_64", "overflow_off_64"}
 
 
 def load(port: int, connections: int, seconds: float, lengths: str, out: Path
@@ -139,28 +149,51 @@ def children(pid: int) -> list[int]:
 class Server:
     """A fresh server for one phase, and the counters that say where its CPU went."""
 
-    def __init__(self, port: int, env: dict[str, str]) -> None:
+    def __init__(self, port: int, env: dict[str, str], peer_port: int | None = None) -> None:
         self.port = port
-        self.proc = serve(port, **{"VEGA_MODEL": MODEL, **env})
+        self.peer_port = peer_port
+        named = {"VEGA_NODE_ID": "A"} if peer_port is not None else {}
+        self.proc = serve(port, **{"VEGA_MODEL": MODEL, **env, **named})
+        # The peer: same settings, never loaded; it runs what the first sends it.
+        self.peer = None if peer_port is None else serve(
+            peer_port, **{"VEGA_MODEL": MODEL, **env, "VEGA_NODE_ID": "B"})
         self.status: dict[str, Any] = json.loads(_get(port, "/v1/status"))
         self.kids = children(self.proc.pid)
+        self.peer_kids = [] if self.peer is None else children(self.peer.pid)
         self.slices: list[tuple[dict[str, Any], float, dict[str, Any]]] = []
 
     def load(self, connections: int, lengths: str, seconds: float, out: Path) -> None:
         """One slice of closed-loop load; its report and counters are kept."""
         busy_before = batch_seconds(self.port)
+        peer_before = self._peer_counters()
         threads_before, kids_before = thread_seconds(self.proc.pid), process_seconds(self.kids)
         report, loadgen_cores = load(self.port, connections, seconds, lengths, out)
         threads_after, kids_after = thread_seconds(self.proc.pid), process_seconds(self.kids)
         busy_after = batch_seconds(self.port)
+        peer_after = self._peer_counters()
         self.slices.append((report, seconds, {
             "busy_s": busy_after[0] - busy_before[0], "batches": busy_after[1] - busy_before[1],
             "threads": (threads_before, threads_after), "kids_s": kids_after - kids_before,
-            "loadgen_s": loadgen_cores * seconds}))
+            "loadgen_s": loadgen_cores * seconds,
+            "peer": [after - before for before, after in zip(peer_before, peer_after)]}))
+
+    def _peer_counters(self) -> tuple[float, float]:
+        """The CPU seconds of the peer's model processes, and the batches this server has
+        sent out to peers."""
+        if self.peer_port is None:
+            return 0.0, 0.0
+        sent = sum(float(line.rsplit(" ", 1)[1])
+                   for line in _get(self.port, "/metrics").splitlines()
+                   if line.startswith('vega_overflow_batches_total{direction="out"}'))
+        return process_seconds(self.peer_kids), sent
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+        for proc in (self.proc, self.peer):
+            if proc is not None:
+                proc.terminate()
+        for proc in (self.proc, self.peer):
+            if proc is not None:
+                proc.wait(30)
 
     def phase(self) -> dict[str, Any]:
         """Its slices summed: rates over their time, counts added, the worst slice's p99."""
@@ -190,6 +223,9 @@ class Server:
         loop_s, model_thread_s = sum(s[0] for s in split), sum(s[1] for s in split)
         seconds = sum(s for _, s, _ in self.slices)
         phase["model_busy"] = round(sum(c["busy_s"] for c in counters) / seconds, 2)
+        if self.peer_port is not None:
+            phase["peer_model_cores"] = round(sum(c["peer"][0] for c in counters) / seconds, 2)
+            phase["batches_to_peer"] = int(sum(c["peer"][1] for c in counters))
         if answers and loop_s:
             model_s = sum(c["kids_s"] for c in counters) if self.kids else model_thread_s
             loadgen_s = sum(c["loadgen_s"] for c in counters)
@@ -210,8 +246,8 @@ def _batch_mean(reports: Iterable[dict[str, Any]]) -> float | None:
 
 
 def run_phase(port: int, env: dict[str, str], connections: int, lengths: str,
-              seconds: float, out: Path) -> dict[str, Any]:
-    server = Server(port, env)
+              seconds: float, out: Path, peered: bool = False) -> dict[str, Any]:
+    server = Server(port, env, peer_port=port + PEER_OFFSET if peered else None)
     try:
         server.load(connections, lengths, seconds, out)
     finally:
@@ -231,7 +267,8 @@ def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out
     beside: list[float] = []
     try:
         for port, name in zip(ports, names):
-            servers.append(Server(port, SPECS[name][0]))
+            servers.append(Server(port, SPECS[name][0],
+                                  peer_port=port + PEER_OFFSET if name in PEERED else None))
         for number, which in enumerate((0, 1, 1, 0) * 2):
             _env, connections, lengths = SPECS[names[which]]
             servers[which].load(connections, lengths, seconds / 2, out / f"{which}-{number}")
@@ -245,6 +282,8 @@ def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out
         first["module_alone_beside"] = [round(rate, 1) for rate in beside]
     return first, servers[1].phase()
 
+
+PEER_OFFSET = 500  # a peer's port: its server's plus this
 
 # Phases compared with the module alone measured beside each of their slices (run_pair).
 BESIDE = {"fixed_default_64"}
@@ -288,6 +327,25 @@ def compile_module(out: Path) -> None:
             env["VEGA_MODEL"] = f"{COMPILED}{package}"  # SPECS holds the same dicts
 
 
+def start_redis(out: Path) -> subprocess.Popen[bytes]:
+    """A redis-server of the run's own on a unix socket; the overflow phases use it."""
+    sock = out / "redis.sock"
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock),
+                             "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+                             "--dir", str(out)], stdout=subprocess.DEVNULL)
+    for _ in range(100):
+        if sock.exists():
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        raise RuntimeError("redis-server did not start")
+    for _name, env, _connections, _lengths in PHASES:
+        if env.get("VEGA_REDIS_URL") == REDIS:
+            env["VEGA_REDIS_URL"] = f"{REDIS}{sock}"
+    return proc
+
+
 def _vega(*args: str) -> None:
     """A ``vega`` command, quiet unless it fails."""
     done = subprocess.run([sys.executable, "-m", "vega", *args], cwd=ROOT,
@@ -314,6 +372,7 @@ RATIOS = {  # name: (phase, what it is divided by: a phase or a ceiling)
     "compiled_mixed_buckets_vs_one_bucket": ("compiled_buckets_64", "compiled_one_bucket_64"),
     # Two pairs loaded one after the other: the VM's drift between them counts in full.
     "compiled_vs_eager_mixed_buckets": ("compiled_buckets_64", "mixed_buckets_64"),
+    "overflow_on_vs_off": ("overflow_on_64", "overflow_off_64"),
 }
 
 
@@ -384,11 +443,34 @@ def main() -> int:
     chosen = set(filter(None, options.phases.split(",")))
     out = Path(tempfile.mkdtemp(prefix="vega-bench-eager-"))
     results: dict[str, Any] = {"seconds": options.seconds, "rounds": []}
-    port = 18800
-    if any(env.get("VEGA_MODEL") == COMPILED and (not chosen or name in chosen)
-           for name, env, _connections, _lengths in PHASES):
+
+    def wanted(key: str, value: str) -> bool:
+        return any(env.get(key) == value and (not chosen or name in chosen)
+                   for name, env, _connections, _lengths in PHASES)
+
+    if wanted("VEGA_MODEL", COMPILED):
         compile_module(out)
-    for number in range(1, options.rounds + 1):
+    redis = start_redis(out) if wanted("VEGA_REDIS_URL", REDIS) else None
+    try:
+        run_rounds(options.rounds, options.seconds, chosen, out, results)
+    finally:
+        if redis is not None:
+            redis.terminate()
+    keys = [k for k in results["rounds"][0]["ratios"]
+            if all(k in r["ratios"] for r in results["rounds"])]
+    results["median_ratios"] = {k: statistics.median(r["ratios"][k] for r in results["rounds"])
+                                for k in keys}
+    print("median ratios: " + json.dumps({k: round(v, 2)
+                                          for k, v in results["median_ratios"].items()}))
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {out / 'results.json'}")
+    return 0
+
+
+def run_rounds(rounds: int, seconds: float, chosen: set[str], out: Path,
+               results: dict[str, Any]) -> None:
+    port = 18800
+    for number in range(1, rounds + 1):
         round_: dict[str, Any] = {"ceilings_at_start": ceilings(number, "start")}
         for name, env, connections, lengths in PHASES:
             if chosen and name not in chosen or name in round_:
@@ -396,19 +478,19 @@ def main() -> int:
             partner = PAIRED.get(name)
             if partner is not None and (not chosen or partner in chosen):
                 round_[name], round_[partner] = run_pair(
-                    (port, port + 1), (name, partner), options.seconds, out / f"{number}-{name}")
+                    (port, port + 1), (name, partner), seconds, out / f"{number}-{name}")
                 port += 2
                 names = [name, partner]
             else:
-                round_[name] = run_phase(port, env, connections, lengths, options.seconds,
-                                         out / f"{number}-{name}")
+                round_[name] = run_phase(port, env, connections, lengths, seconds,
+                                         out / f"{number}-{name}", peered=name in PEERED)
                 port += 1
                 names = [name]
             for done in names:
                 print(f"round {number} {done}: {json.dumps(round_[done])}", flush=True)
         mixed = ("mixed_buckets_64", "mixed_one_bucket_64")
         if all(name in round_ for name in mixed):
-            round_["simulated_ok_rate"] = simulated(number, mixed, options.seconds, out)
+            round_["simulated_ok_rate"] = simulated(number, mixed, seconds, out)
             print(f"round {number} simulated at this minute's costs: "
                   + json.dumps(round_["simulated_ok_rate"]), flush=True)
         round_["ceilings_at_end"] = ceilings(number, "end")
@@ -420,15 +502,6 @@ def main() -> int:
         print(f"round {number} ratios: "
               + json.dumps({k: round(v, 2) for k, v in round_["ratios"].items()}), flush=True)
         results["rounds"].append(round_)
-    keys = [k for k in results["rounds"][0]["ratios"]
-            if all(k in r["ratios"] for r in results["rounds"])]
-    results["median_ratios"] = {k: statistics.median(r["ratios"][k] for r in results["rounds"])
-                                for k in keys}
-    print("median ratios: " + json.dumps({k: round(v, 2)
-                                          for k, v in results["median_ratios"].items()}))
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"wrote {out / 'results.json'}")
-    return 0
 
 
 if __name__ == "__main__":
