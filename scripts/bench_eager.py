@@ -15,7 +15,8 @@ runs on a fresh server, and each round takes them in turn:
    a few seconds later, where the round's ceiling is minutes away from most slices);
 4. 64 connections, lengths uniform in 16..256, default length buckets (cut from the
    measured costs), paired with the same on one bucket (VEGA_LENGTH_BUCKETS=512);
-5. the same lengths with the configured bounds as given (VEGA_BUCKET_PADDING=0);
+5. the same lengths with the configured bounds as given (VEGA_BUCKET_PADDING=0), and
+   64 against 1024 connections that honour Retry-After at those lengths;
 6. phases 2 and 3 with the module at width 256 (``encoder_wide``), against its own ceiling;
 7. the HTTP path alone: a model that costs nothing (``echo_fast``, in a thread), 64
    connections: what one process's loop answers at most on this machine;
@@ -85,6 +86,9 @@ PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("mixed_one_bucket_64", {"VEGA_LENGTH_BUCKETS": "512", "VEGA_BUCKET_PADDING": "0"}, 64,
      MIXED),
     ("fixed_default_1024", {}, 1024, "64"),
+    # The flood at mixed lengths, paired with the same server settings at 64 connections.
+    ("mixed_default_64", {}, 64, MIXED),
+    ("mixed_default_1024", {}, 1024, MIXED),
     # The same module at width 256: its own cost, not the HTTP path, bounds the server.
     ("wide_thread_64", {"VEGA_MODEL": WIDE, "VEGA_EXECUTOR": "thread"}, 64, "64"),
     ("wide_default_64", {"VEGA_MODEL": WIDE}, 64, "64"),
@@ -100,7 +104,8 @@ PHASES: tuple[tuple[str, dict[str, str], int, str], ...] = (
 SPECS = {name: (env, connections, lengths) for name, env, connections, lengths in PHASES}
 # Phases run as a pair (run_pair), for the targets that are their ratio.
 PAIRED = {"fixed_default_64": "fixed_default_1024", "mixed_buckets_64": "mixed_one_bucket_64",
-          "compiled_buckets_64": "compiled_one_bucket_64", "overflow_on_64": "overflow_off_64"}
+          "compiled_buckets_64": "compiled_one_bucket_64", "overflow_on_64": "overflow_off_64",
+          "mixed_default_64": "mixed_default_1024"}
 # Phases whose server has a peer process, started with the same settings and left idle.
 PEERED = {"overflow_on_64", "overflow_off_64"}
 
@@ -368,6 +373,7 @@ RATIOS = {  # name: (phase, what it is divided by: a phase or a ceiling)
     "mixed_buckets_vs_one_bucket": ("mixed_buckets_64", "mixed_one_bucket_64"),
     "mixed_planned_vs_fixed_buckets": ("mixed_buckets_64", "mixed_fixed_buckets_64"),
     "ok_1024_vs_64": ("fixed_default_1024", "fixed_default_64"),
+    "mixed_ok_1024_vs_64": ("mixed_default_1024", "mixed_default_64"),
     "http_path_64_vs_ceiling": ("http_path_64", "ceiling_items_per_s"),
     "compiled_mixed_buckets_vs_one_bucket": ("compiled_buckets_64", "compiled_one_bucket_64"),
     # Two pairs loaded one after the other: the VM's drift between them counts in full.
