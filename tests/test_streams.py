@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -113,12 +115,12 @@ def test_keys_share_the_model_hash_tag() -> None:
 
 
 @asynccontextmanager
-async def solo_runtime(redis_url: str) -> AsyncIterator[Runtime]:
+async def solo_runtime(redis_url: str, **env: str) -> AsyncIterator[Runtime]:
     """A warm runtime serving the echo model alone, its Redis side channel up."""
     settings = load_settings(environ={
         "VEGA_REDIS_URL": redis_url, "VEGA_NODE_ID": "solo", "VEGA_WARMUP_BATCHES": "1",
         "VEGA_LENGTH_BUCKETS": "16", "VEGA_MAX_BATCH_SIZE": "4", "VEGA_HEARTBEAT_MS": "100",
-        "VEGA_TORCH_THREADS": "1"})
+        "VEGA_TORCH_THREADS": "1", **env})
     rt = Runtime(settings, [echo("echo")])
     await rt.start()
     await rt.wait_ready()
@@ -158,6 +160,28 @@ async def test_heartbeat_is_written_with_a_ttl(runtime: Runtime,
         await check_the_solo_heartbeat(runtime, client)
     finally:
         await client.aclose()
+
+
+async def test_a_loop_late_at_the_end_of_a_blocked_read_is_not_an_outage(
+        redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A loop busy for 200 ms now and then (a burst of requests on a loaded host) may reach
+    a blocked read's empty answer only after its socket timeout has passed as well; the
+    reads of an idle process (its thief's, its replies', its job lane's) must not take that
+    for Redis gone, which would take back every batch it had handed off. Heartbeats are
+    slowed so that no short command is in flight across a stall."""
+    async with solo_runtime(redis_server.url, VEGA_HEARTBEAT_MS="2000") as rt:
+        assert rt.streams is not None and rt.streams.up
+        caplog.clear()
+        seen_down = 0
+        for _ in range(12):
+            time.sleep(0.2)  # the loop stalls (blocked reads end every 500 ms)
+            seen_down += not rt.streams.up
+            await asyncio.sleep(0.15)
+            seen_down += not rt.streams.up
+        complaints = [record.getMessage() for record in caplog.records
+                      if record.levelno >= logging.WARNING
+                      and record.name in ("vega.streams", "vega.jobs")]
+        assert seen_down == 0 and complaints == [], complaints
 
 
 async def ghost_peer_only(runtime: Runtime) -> Streams:

@@ -174,6 +174,27 @@ async def test_its_own_batch_read_while_idle_is_taken_back_without_a_round_trip(
     assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
 
 
+async def test_an_entry_read_as_work_of_its_own_arrived_is_declined_at_once(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Busy when the read returns (it blocked while idle): the thief declines the entry, so
+    its origin takes it back now, its deadline nearly whole, instead of waiting for an
+    answer until the deadline all but ran out while the entry waited for another reader."""
+    monkeypatch.setattr(rig.thief, "_idle_now", lambda: False)
+    await rig.look.delete(reply_key("origin-4"))
+    await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("origin-4", "origin-4.b.1")))
+    await eventually(lambda: rig.look.xlen(reply_key("origin-4")), "the reply")
+    [(_, fields)] = await rig.look.xrange(reply_key("origin-4"))
+    reply = decode_reply(fields, 2, CODES)
+    assert (reply.batch, reply.node, reply.error_code) == ("origin-4.b.1", "thief-1", "declined")
+    assert rig.ran == [] and await rig.look.xlen(overflow_key(MODEL)) == 0
+    assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
+    # Its own batch, read while busy, is taken back here without a round trip.
+    await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("thief-1", "thief-1.b.7")))
+    await eventually(lambda: rig.taken_back, "the take-back")
+    assert rig.taken_back == [("thief-1.b.7", "busy")] and rig.ran == []
+    assert await rig.look.xlen(overflow_key(MODEL)) == 0
+
+
 async def test_a_dead_thief_s_entry_is_put_back_with_the_next_attempt(redis_url: str) -> None:
     rig = Rig(redis_url, "reclaimer", VEGA_CLAIM_IDLE_MS="100")
     await rig.start(rig.thief.reclaim_loop)

@@ -26,7 +26,14 @@ from redis import exceptions as rexc
 
 from vega.admission import PENDING_PER_SPARE
 from vega.channel.client import CONNECTION_ERRORS
-from vega.channel.keys import BLOCK_MS, GROUP, done_key, overflow_key, reply_key
+from vega.channel.keys import (
+    BLOCK_MS,
+    GROUP,
+    blocking_timeout_s,
+    done_key,
+    overflow_key,
+    reply_key,
+)
 from vega.channel.link import Link, Models, RunLocal, log_end, stop_tasks
 from vega.channel.peers import Peers
 from vega.channel.steal import Thief
@@ -149,7 +156,7 @@ class Streams:
             tasks.append(self._connecting)
         # Shutdown, not the hot path: dropping a blocked read is fine. Bounded: a stuck
         # close must not keep the process from exiting.
-        stuck = await stop_tasks(tasks, timeout_s=BLOCK_MS / 1000 + self.timeout_s + 1)
+        stuck = await stop_tasks(tasks, timeout_s=blocking_timeout_s(self.timeout_s) + 1)
         if stuck:
             log.warning("%d overflow task(s) did not stop in time", len(stuck))
         await self.heart.leave()
@@ -290,7 +297,7 @@ class Streams:
         if claimed == 1:  # deleted unread: no peer will run it
             self._take_back(key, "unclaimed")
             return
-        # Read by a peer, or passed on by a busy one under a new id: wait for its answer.
+        # Read by a peer (a busy one declines it at once): wait for its answer.
         loop = asyncio.get_running_loop()
         handoff.timer = loop.call_at(handoff.last_call, self._take_back, key, "timeout")
 
@@ -334,7 +341,7 @@ class Streams:
 
     async def _reply_loop(self) -> None:
         """One task, one connection: XREAD BLOCK on our reply stream (rule 8)."""
-        client = self.link.client(BLOCK_MS / 1000 + self.timeout_s)
+        client = self.link.client(blocking_timeout_s(self.timeout_s))
         key = reply_key(self.node)
         try:
             while True:

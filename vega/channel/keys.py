@@ -60,5 +60,15 @@ def node_key(node: str) -> str:
     return f"vega:node:{node}"
 
 
-BLOCK_MS = 500  # blocking reads; their connections time out at BLOCK_MS + redis timeout
+BLOCK_MS = 500  # blocking reads
+# A blocked read's empty answer comes at the end of its block, when a loop busy with a
+# burst may reach it late: its socket may wait this much longer than a short command's
+# (the loop stalled 200 ms took Redis for gone, and every handed-off batch back).
+BLOCK_LATE_MS = 250
+
 REPLY_TTL_MS = 3_600_000  # a dead origin's reply stream goes away after an hour
+
+
+def blocking_timeout_s(timeout_s: float) -> float:
+    """The socket timeout of a blocking reader whose commands take ``timeout_s``."""
+    return (BLOCK_MS + BLOCK_LATE_MS) / 1000 + timeout_s

@@ -22,6 +22,7 @@ from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
     REPLY_TTL_MS,
+    blocking_timeout_s,
     dlq_key,
     done_key,
     overflow_key,
@@ -57,7 +58,7 @@ class Thief:
 
     async def steal_loop(self, model: str) -> None:
         """Read the group only while this process has nothing of its own to do."""
-        client = self.link.client(BLOCK_MS / 1000 + self.link.timeout_s)
+        client = self.link.client(blocking_timeout_s(self.link.timeout_s))
         key = overflow_key(model)
         try:
             while True:
@@ -75,9 +76,9 @@ class Thief:
                 for _stream, entries in got or []:
                     for entry_id, fields in entries:
                         # The read blocked while idle; work of our own may have arrived since
-                        # (even the batch we just handed off). Leave it to an idle peer.
+                        # (even the batch we just handed off): give it straight back.
                         work = (self._steal(model, entry_id, fields) if self._idle_now()
-                                else self._pass_on(model, entry_id, fields))
+                                else self._decline_busy(model, entry_id, fields))
                         await self._guarded(work, model, entry_id, fields)
         finally:
             await client.aclose()
@@ -265,10 +266,17 @@ class Thief:
         await self._reinsert(model, entry_id,
                              encode_overflow(dataclasses.replace(entry, attempt=entry.attempt + 1)))
 
-    async def _pass_on(self, model: str, entry_id: Any, fields: Any) -> None:
-        """Give a batch read by a process that is busy now back to the stream, unchanged."""
-        decode_overflow(fields)  # a hostile entry is dead-lettered, not passed around
-        await self._reinsert(model, entry_id, fields)
+    async def _decline_busy(self, model: str, entry_id: Any, fields: Any) -> None:
+        """Decline a batch read by a process that is busy now: its origin takes it back at
+        once, with its deadline nearly whole. Put back in the stream, it waited for another
+        reader, and its origin for an answer, until the deadline all but ran out."""
+        entry = self._decode(model, fields)  # a hostile entry is dead-lettered
+        if entry.origin == self.node:
+            await self._ack(model, entry_id)
+            self.link.take_back(entry.batch, "busy")
+            return
+        await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (), "declined",
+                                                 "busy"))
 
     async def _reinsert(self, model: str, entry_id: Any, again: Any) -> None:
         async with self.link.cmd.pipeline(transaction=True) as pipe:

@@ -23,6 +23,7 @@ from vega.channel.client import connect
 from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
+    blocking_timeout_s,
     dlq_key,
     job_dead_key,
     job_idem_key,
@@ -147,7 +148,7 @@ class RedisStore:
     def __init__(self, url: str, timeout_s: float, result_ttl_s: float,
                  dlq_maxlen: int) -> None:
         self.cmd = connect(url, timeout_s)
-        self.reader = connect(url, BLOCK_MS / 1000 + timeout_s)  # blocking reads only
+        self.reader = connect(url, blocking_timeout_s(timeout_s))  # blocking reads only
         self.result_ttl_ms = int(1000 * result_ttl_s)
         self.dlq_maxlen = dlq_maxlen
         self._scripts = {name: self.cmd.register_script(text) for name, text in (
