@@ -23,6 +23,7 @@ from vega.channel.link import Link, stop_tasks
 from vega.channel.steal import Thief
 from vega.channel.wire import (
     Overflow,
+    Reply,
     decode_overflow,
     decode_reply,
     encode_overflow,
@@ -114,6 +115,15 @@ async def eventually(check: Callable[[], Any], what: str, timeout_s: float = 10)
     raise AssertionError(f"no {what} within {timeout_s} s")
 
 
+async def offered(rig: Rig, sent: Overflow) -> Reply:
+    """Write ``sent`` to the model's stream as its origin would; the one reply it gets."""
+    await rig.look.delete(reply_key(sent.origin))
+    await rig.look.xadd(overflow_key(MODEL), encode_overflow(sent))
+    await eventually(lambda: rig.look.xlen(reply_key(sent.origin)), "the reply")
+    [(_, fields)] = await rig.look.xrange(reply_key(sent.origin))
+    return decode_reply(fields, len(sent.lengths), CODES)
+
+
 @pytest.fixture
 async def rig(redis_url: str) -> AsyncIterator[Rig]:
     rig = Rig(redis_url, "thief-1", VEGA_CLAIM_IDLE_MS="200")
@@ -123,11 +133,7 @@ async def rig(redis_url: str) -> AsyncIterator[Rig]:
 
 
 async def test_a_stolen_batch_is_run_answered_on_the_origin_s_stream_and_acked(rig: Rig) -> None:
-    await rig.look.delete(reply_key("origin-1"))
-    await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("origin-1", "origin-1.b.1")))
-    await eventually(lambda: rig.look.xlen(reply_key("origin-1")), "the reply")
-    [(_, fields)] = await rig.look.xrange(reply_key("origin-1"))
-    reply = decode_reply(fields, 2, CODES)
+    reply = await offered(rig, entry("origin-1", "origin-1.b.1"))
     assert (reply.batch, reply.node, reply.error_code) == ("origin-1.b.1", "thief-1", "")
     assert [list(o) for o in reply.outputs] == [[16.0, 2.0], [12.0, 3.0]]
     assert reply.infer_ms == pytest.approx(2.0)
@@ -157,12 +163,8 @@ async def test_a_malformed_entry_goes_to_the_dead_letter_stream_and_the_reader_l
 
 
 async def test_an_entry_it_cannot_finish_in_time_is_declined_not_run(rig: Rig) -> None:
-    await rig.look.delete(reply_key("origin-3"))
-    await rig.look.xadd(overflow_key(MODEL),
-                        encode_overflow(entry("origin-3", "origin-3.b.1", deadline_in_ms=1)))
-    await eventually(lambda: rig.look.xlen(reply_key("origin-3")), "the reply")
-    [(_, fields)] = await rig.look.xrange(reply_key("origin-3"))
-    assert decode_reply(fields, 2, CODES).error_code == "declined"
+    reply = await offered(rig, entry("origin-3", "origin-3.b.1", deadline_in_ms=1))
+    assert reply.error_code == "declined"
     assert rig.ran == [] and await rig.look.xlen(overflow_key(MODEL)) == 0
 
 
@@ -180,11 +182,7 @@ async def test_an_entry_read_as_work_of_its_own_arrived_is_declined_at_once(
     its origin takes it back now, its deadline nearly whole, instead of waiting for an
     answer until the deadline all but ran out while the entry waited for another reader."""
     monkeypatch.setattr(rig.thief, "_idle_now", lambda: False)
-    await rig.look.delete(reply_key("origin-4"))
-    await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("origin-4", "origin-4.b.1")))
-    await eventually(lambda: rig.look.xlen(reply_key("origin-4")), "the reply")
-    [(_, fields)] = await rig.look.xrange(reply_key("origin-4"))
-    reply = decode_reply(fields, 2, CODES)
+    reply = await offered(rig, entry("origin-4", "origin-4.b.1"))
     assert (reply.batch, reply.node, reply.error_code) == ("origin-4.b.1", "thief-1", "declined")
     assert rig.ran == [] and await rig.look.xlen(overflow_key(MODEL)) == 0
     assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
