@@ -63,8 +63,10 @@ class Rig:
                           self._never)
         self.ran: list[Batch] = []
         self.taken_back: list[tuple[str, str]] = []
+        self.reposted: list[tuple[str, Any]] = []
         self.link = Link(settings, node, Metrics(), {MODEL: (adapter, batcher)}, self._run)
         self.link.take_back = lambda key, why: self.taken_back.append((key, why))
+        self.link.reposted = lambda key, entry_id: self.reposted.append((key, entry_id))
         self.thief = Thief(self.link)
         self.look: Any = connect(url, 2.0)  # untyped: replies are bytes here
         self.tasks: list[asyncio.Task[None]] = []
@@ -178,19 +180,29 @@ async def test_its_own_batch_read_while_idle_is_taken_back_without_a_round_trip(
 
 async def test_an_entry_read_as_work_of_its_own_arrived_is_declined_at_once(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Busy when the read returns (it blocked while idle): the thief declines the entry, so
-    its origin takes it back now, its deadline nearly whole, instead of waiting for an
-    answer until the deadline all but ran out while the entry waited for another reader."""
+    """Busy when the read returns (it blocked while idle): the thief declines a peer's
+    entry, so its origin takes it back now, its deadline nearly whole, instead of waiting
+    for an answer until the deadline all but ran out while the entry waited for another
+    reader. Its own entry goes back for an idle peer, and its hand-off learns the new id."""
     monkeypatch.setattr(rig.thief, "_idle_now", lambda: False)
+    reads_left = [1]  # the read already blocked, then one more: the copy stays unread
+
+    async def idle() -> None:
+        reads_left[0] -= 1
+        if reads_left[0] < 0:
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(rig.thief, "_idle", idle)
     reply = await offered(rig, entry("origin-4", "origin-4.b.1"))
     assert (reply.batch, reply.node, reply.error_code) == ("origin-4.b.1", "thief-1", "declined")
     assert rig.ran == [] and await rig.look.xlen(overflow_key(MODEL)) == 0
     assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
-    # Its own batch, read while busy, is taken back here without a round trip.
     await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("thief-1", "thief-1.b.7")))
-    await eventually(lambda: rig.taken_back, "the take-back")
-    assert rig.taken_back == [("thief-1.b.7", "busy")] and rig.ran == []
-    assert await rig.look.xlen(overflow_key(MODEL)) == 0
+    await eventually(lambda: rig.reposted, "the repost")
+    [(key, new_id)] = rig.reposted
+    [(kept_id, kept)] = await rig.look.xrange(overflow_key(MODEL))
+    assert key == "thief-1.b.7" and kept_id == new_id and rig.taken_back == [] and rig.ran == []
+    assert decode_overflow(kept).batch == "thief-1.b.7"
 
 
 async def test_a_dead_thief_s_entry_is_put_back_with_the_next_attempt(redis_url: str) -> None:

@@ -71,6 +71,7 @@ class Handoff:
     sent_at: float = 0.0  # loop clock
     timer: asyncio.TimerHandle | None = None
     last_call: float = 0.0  # loop clock: past it, running it here could not make the deadline
+    check_at: float = 0.0  # loop clock: when it would have started here (the unclaimed check)
 
 
 class Streams:
@@ -80,6 +81,7 @@ class Streams:
                  run_local: RunLocal) -> None:
         self.link = link = Link(settings, node, metrics, models, run_local)
         link.on_error, link.take_back = self.redis_error, self._take_back
+        link.reposted = self._reposted
         self.settings = settings
         self.node = node
         self.metrics = metrics
@@ -240,8 +242,8 @@ class Streams:
         # a peer was free, and it was not), so a wrong guess costs a round trip at most.
         self._pending[key] = handoff
         handoff.last_call = batch.deadline - run_s - 2 * self._margin_s
-        handoff.timer = loop.call_at(min(handoff.last_call, now + local_wait_s + self.rtt_s),
-                                     self._unclaimed, key)
+        handoff.check_at = min(handoff.last_call, now + local_wait_s + self.rtt_s)
+        handoff.timer = loop.call_at(handoff.check_at, self._unclaimed, key)
         try:
             handoff.entry_id = await self.cmd.xadd(
                 overflow_key(batch.model), fields,  # type: ignore[arg-type]
@@ -300,6 +302,19 @@ class Streams:
         # Read by a peer (a busy one declines it at once): wait for its answer.
         loop = asyncio.get_running_loop()
         handoff.timer = loop.call_at(handoff.last_call, self._take_back, key, "timeout")
+
+    def _reposted(self, key: str, entry_id: Any) -> None:
+        """Our own thief read a batch of ours while busy and put it back under a new id:
+        the unclaimed check looks at that copy, giving peers a round trip to read it."""
+        handoff = self._pending.get(key)
+        if handoff is None:
+            return
+        handoff.entry_id = entry_id
+        if handoff.timer is not None:
+            handoff.timer.cancel()
+        loop = asyncio.get_running_loop()
+        check_at = min(handoff.last_call, max(handoff.check_at, loop.time() + self.rtt_s))
+        handoff.timer = loop.call_at(check_at, self._unclaimed, key)
 
     def _take_back(self, key: str, why: str) -> None:
         """The peers did not answer in time (or cannot): run it here if the deadline allows."""

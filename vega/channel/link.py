@@ -39,6 +39,10 @@ def _no_take_back(key: str, why: str) -> None:
     """A link without an origin side has no batches of its own to take back."""
 
 
+def _no_repost(key: str, entry_id: Any) -> None:
+    """A link without an origin side has no hand-offs to follow."""
+
+
 class Link:
     """One process's end of the side channel: settings, node id, clients, shared state."""
 
@@ -58,6 +62,7 @@ class Link:
         self.counts = {"offered": 0, "taken": 0, "taken_back": 0}
         self.on_error: Callable[[BaseException], None] = _log_refused
         self.take_back: Callable[[str, str], None] = _no_take_back
+        self.reposted: Callable[[str, Any], None] = _no_repost  # our batch, under a new id
 
     def client(self, timeout_s: float) -> Client:
         """A client of its own (a blocking reader's), commands bounded by ``timeout_s``."""

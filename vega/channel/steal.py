@@ -267,21 +267,24 @@ class Thief:
                              encode_overflow(dataclasses.replace(entry, attempt=entry.attempt + 1)))
 
     async def _decline_busy(self, model: str, entry_id: Any, fields: Any) -> None:
-        """Decline a batch read by a process that is busy now: its origin takes it back at
-        once, with its deadline nearly whole. Put back in the stream, it waited for another
-        reader, and its origin for an answer, until the deadline all but ran out."""
+        """A batch read by a process that is busy now. A peer's is declined: its origin
+        takes it back at once, with its deadline nearly whole (put back in the stream, it
+        waited for another reader, and its origin for an answer, until the deadline all but
+        ran out). Our own goes back in the stream for an idle peer, and our hand-off is
+        told its new id, so that the take-back check looks at the copy peers can read."""
         entry = self._decode(model, fields)  # a hostile entry is dead-lettered
         if entry.origin == self.node:
-            await self._ack(model, entry_id)
-            self.link.take_back(entry.batch, "busy")
+            self.link.reposted(entry.batch, await self._reinsert(model, entry_id, fields))
             return
         await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (), "declined",
                                                  "busy"))
 
-    async def _reinsert(self, model: str, entry_id: Any, again: Any) -> None:
+    async def _reinsert(self, model: str, entry_id: Any, again: Any) -> Any:
+        """Put an entry back under a new id (returned), and the old one away."""
         async with self.link.cmd.pipeline(transaction=True) as pipe:
             pipe.xadd(overflow_key(model), again,
                       maxlen=self.settings.stream_maxlen, approximate=True)
             pipe.xack(overflow_key(model), GROUP, entry_id)
             pipe.xdel(overflow_key(model), entry_id)
-            await pipe.execute()
+            new_id, *_ = await pipe.execute()
+        return new_id
