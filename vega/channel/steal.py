@@ -76,7 +76,7 @@ class Thief:
                 for _stream, entries in got or []:
                     for entry_id, fields in entries:
                         # The read blocked while idle; work of our own may have arrived since
-                        # (even the batch we just handed off): give it straight back.
+                        # (even the batch we just handed off): not ours to run now.
                         work = (self._steal(model, entry_id, fields) if self._idle_now()
                                 else self._decline_busy(model, entry_id, fields))
                         await self._guarded(work, model, entry_id, fields)
