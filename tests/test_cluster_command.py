@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,23 +34,34 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def start_cluster(processes: int, port: int, out: Path, **env: str
+                  ) -> tuple[subprocess.Popen[bytes], Path]:
+    """`vega cluster -n PROCESSES` of the echo model on PORT, ready, its output in OUT; and its
+    folder, under /tmp itself, not pytest's private one: Nginx's unprivileged workers
+    must be able to reach the sockets, as they would in /run/vega."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
+    environ.update(VEGA_MODEL="python:tests.models:echo", VEGA_TORCH_THREADS="1",
+                   VEGA_WARMUP_BATCHES="1", PYTHONPATH=str(ROOT), **env)
+    run_dir = Path(tempfile.mkdtemp(prefix="vega-cluster-test-"))
+    with open(out, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "vega", "cluster", "-n", str(processes),
+                                 "--listen", f"127.0.0.1:{port}", "--dir", str(run_dir)],
+                                env=environ, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_until(lambda: "behind http://" in out.read_text(), 120, "the cluster to be ready")
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, run_dir
+
+
 @pytest.mark.timeout(180)
 def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Path) -> None:
     require("nginx", "redis-server")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
-    env.update(VEGA_MODEL="python:tests.models:echo", VEGA_TORCH_THREADS="1",
-               VEGA_WARMUP_BATCHES="1", PYTHONPATH=str(ROOT))
     out = tmp_path / "cluster.out"
-    # Under /tmp itself, not pytest's private folder: Nginx's unprivileged workers must
-    # be able to reach the sockets, as they would in /run/vega.
-    run_dir = Path(tempfile.mkdtemp(prefix="vega-cluster-test-"))
-    with open(out, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vega", "cluster", "-n", "2", "--listen",
-                                 f"127.0.0.1:{port}", "--dir", str(run_dir)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc, run_dir = start_cluster(2, port, out)
     try:
-        wait_until(lambda: "behind http://" in out.read_text(), 120, "the cluster to be ready")
         url = f"http://127.0.0.1:{port}"
         answers = [httpx.post(url + "/v1/infer", json={"inputs": window(4)}, timeout=30)
                    for _ in range(10)]
@@ -70,6 +82,42 @@ def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Pat
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+@pytest.mark.timeout(180)
+def test_nginx_killed_outright_stops_the_cluster_and_leaves_no_worker_on_the_port(
+        tmp_path: Path) -> None:
+    require("nginx", "redis-server")
+    port = free_port()
+    out = tmp_path / "cluster.out"
+    proc, run_dir = start_cluster(1, port, out)
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        master = next(int(pid) for pid in children
+                      if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"nginx"))
+        assert len(group_members(master)) > 1  # the master and its workers
+        os.kill(master, signal.SIGKILL)
+        assert proc.wait(60) == 1
+        assert "nginx exited with -9; stopping" in out.read_text()
+        assert group_members(master) == []
+        with socket.socket() as probe:  # nothing listens on the cluster's port any more
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        stop(proc)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def vega_children(pid: int) -> list[int]:
     """The `vega serve` processes a `vega cluster` started (its direct children)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -85,21 +133,13 @@ def vega_children(pid: int) -> list[int]:
 
 
 @pytest.mark.timeout(240)
-async def test_a_killed_process_is_restarted_and_no_caller_sees_a_502() -> None:
+async def test_a_killed_process_is_restarted_and_no_caller_sees_a_502(
+        tmp_path: Path) -> None:
     require("nginx", "redis-server")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
-    env.update(VEGA_MODEL="python:tests.models:echo", VEGA_TORCH_THREADS="1",
-               VEGA_WARMUP_BATCHES="1", PYTHONPATH=str(ROOT), TEST_SLEEP_MS="10")
-    run_dir = Path(tempfile.mkdtemp(prefix="vega-cluster-test-"))
-    out = run_dir / "cluster.out"
-    with open(out, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vega", "cluster", "-n", "2", "--listen",
-                                 f"127.0.0.1:{port}", "--dir", str(run_dir)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    out = tmp_path / "cluster.out"
+    proc, run_dir = start_cluster(2, port, out, TEST_SLEEP_MS="10")
     try:
-        await asyncio.to_thread(wait_until, lambda: "behind http://" in out.read_text(), 120,
-                                "the cluster to be ready")
         victim = vega_children(proc.pid)[0]
         books = Books()
         plan = steady(80, 6.0, lambda i, p: orjson.dumps({"inputs": tagged(i)}))

@@ -246,3 +246,10 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+    # Each child leads its own process group: sweep them for what a leader killed outright
+    # left behind (Nginx's workers outlive a SIGKILLed master, holding the listen port).
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
