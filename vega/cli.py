@@ -1,5 +1,6 @@
 """``vega serve|config``: argv -> Settings -> uvicorn on uvloop and httptools
-(vega.transport: one socket write per response).
+(vega.transport: one socket write per response; vega.acceptor: every pending
+connection accepted in one loop turn).
 
 Exit status: 0 after a clean stop (SIGTERM drains first), 2 for a bad setting,
 3 when the process could not start (model failed to load, port taken).
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from vega.acceptor import BatchAcceptor
 from vega.config import SPECS, ConfigError, Settings, load_settings
 
 EXIT_CONFIG = 2
@@ -144,11 +146,24 @@ class DrainingServer(uvicorn.Server):
         self.runtime = runtime
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._acceptors: list[BatchAcceptor] = []
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self.runtime.on_start.append(self._on_runtime_start)
         await super().startup(sockets)
+        config = self.config
+
+        def protocol() -> asyncio.Protocol:  # what uvicorn's own server makes
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state)
+        self._acceptors = [BatchAcceptor(listener, protocol)
+                           for server in self.servers for listener in server.sockets]
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for acceptor in self._acceptors:
+            await acceptor.close()
+        await super().shutdown(sockets)
 
     def _on_runtime_start(self, error: BaseException | None) -> None:
         if error is None:
