@@ -177,14 +177,12 @@ class Batcher(Queues):
         item.future.add_done_callback(functools.partial(self._left_queue, item))
         self._wake.set()
 
-    def _maybe_idle(self) -> None:
-        # Only when truly idle: a drain must not wake for a batch formed, not yet dispatched.
+    def _maybe_idle(self) -> None:  # not for a batch formed but not yet dispatched (drain)
         if not any(self._depth) and not self._inflight:
             self._idle.set()
 
     def _left_queue(self, item: Item, _future: asyncio.Future[Any]) -> None:
-        # Answered or cancelled while still queued (deadline, caller gone): the deque
-        # drops it lazily when it reaches the front; the counts change now.
+        # Answered or cancelled while queued: the deque drops it at its front, the counts now.
         if item.counted:
             self._count(item, -1)
             self._maybe_idle()
@@ -278,11 +276,13 @@ class Batcher(Queues):
             if due and form_at > now:  # formed now, it would only wait behind the running batch
                 wake_at = form_at if wake_at is None else min(wake_at, form_at)
                 continue
-            # Work-conserving: a free thread takes what is here now. While every thread is
-            # busy, a batch sent on would only wait behind them at the size it has; held, it
-            # grows until shortly before a thread frees, so batches grow with load.
+            # Work-conserving: a free thread takes what is here now; while every thread is busy,
+            # a batch held grows until shortly before a thread frees (batches grow with load).
             if idle or due or (not hold and ready_at <= now):
-                top = next(p for p, item in enumerate(heads) if item is not None)
+                # A bucket that waited an interval ranks at the top class: by class alone, one
+                # seldom holding a critical item waited behind those that do to its deadline.
+                top = 0 if now - oldest > self.config.standing_after_s else next(
+                    p for p, item in enumerate(heads) if item is not None)
                 ranked = idle or (partial_ahead and not full)  # full ones first, oldest first
                 key = (top, self._urgency(bucket, oldest, now) if ranked else (0, oldest))
                 if best is None or key < best:

@@ -369,6 +369,36 @@ async def test_critical_items_are_taken_first(running: Start) -> None:
     assert [i.id for i in sink.batches[2].items] == [i.id for i in low]
 
 
+class TimedSink(RecordingSink):
+    """A model whose every batch takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    async def __call__(self, batch: Batch) -> None:
+        await asyncio.sleep(self.seconds)
+        await super().__call__(batch)
+
+
+async def test_a_bucket_that_waited_an_interval_goes_before_fresh_critical_ones(
+        running: Start) -> None:
+    # Critical items arriving as fast as batches take them, all in another bucket: ranked
+    # by class alone, the normal item waited behind them to its deadline (504).
+    batcher, _ = running(TimedSink(0.02), max_inflight=1, max_batch_size=2)
+    low = item(batcher, length=10, deadline_s=1.0)
+    loop = asyncio.get_running_loop()
+    started, answered_at = loop.time(), None
+    for _ in range(60):
+        item(batcher, length=300, priority=CRITICAL)
+        await asyncio.sleep(0.01)
+        if low.future.done() and answered_at is None:
+            answered_at = loop.time()
+    assert answered_at is not None and answered_at - started < 0.3
+    error = low.future.exception()
+    assert error is None or (isinstance(error, VegaError) and error.code == "shed")
+
+
 async def test_expired_items_are_answered_504_and_never_run(running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()
