@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +81,12 @@ def main() -> int:
         server.terminate()
         server.wait(30)
     waits = np.array([seconds for seconds, _ in answers]) * 1000
-    statuses: dict[str, int] = {}
-    for _, status in answers:
-        statuses[str(status or "none")] = statuses.get(str(status or "none"), 0) + 1
+    statuses = Counter(str(status or "none") for _, status in answers)
     steady_ms = report["summary"]["latency_ms"]
     result = {
         "steady_200_per_s": report["summary"]["ok_rate"],
         "steady_p50_ms": steady_ms["p50"], "steady_p99_ms": steady_ms["p99"],
-        "burst": args.burst, "burst_statuses": statuses,
+        "burst": args.burst, "burst_statuses": dict(statuses),
         "burst_p50_ms": round(float(np.percentile(waits, 50)), 1),
         "burst_p99_ms": round(float(np.percentile(waits, 99)), 1),
         "burst_max_ms": round(float(waits.max()), 1),

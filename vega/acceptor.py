@@ -57,8 +57,9 @@ class BatchAcceptor:
 
     def _opened(self, task: asyncio.Task[object]) -> None:
         self._opening.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("could not open an accepted connection: %r", task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            log.warning("could not open an accepted connection: %r", error)
 
     async def close(self) -> None:
         """Stop accepting; the connections being opened are open when this returns, so a

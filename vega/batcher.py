@@ -281,7 +281,7 @@ class Batcher(Queues):
             if idle or due or (not hold and ready_at <= now):
                 # A bucket that waited an interval ranks at the top class: by class alone, one
                 # seldom holding a critical item waited behind those that do to its deadline.
-                top = 0 if now - oldest > self.config.standing_after_s else next(
+                top = CRITICAL if now - oldest > self.config.standing_after_s else next(
                     p for p, item in enumerate(heads) if item is not None)
                 ranked = idle or (partial_ahead and not full)  # full ones first, oldest first
                 key = (top, self._urgency(bucket, oldest, now) if ranked else (0, oldest))
