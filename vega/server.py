@@ -32,6 +32,7 @@ from vega.httpio import (
     parse_deadline_ms,
     parse_json,
     parse_priority,
+    scanned_priority,
 )
 from vega.jobs.routes import JobsApi
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
@@ -80,6 +81,9 @@ class V1:
 
     def model(self, request: Request) -> str:
         return str(request.path_params.get("name") or self.runtime.default_model)
+
+    def claimed(self, request: Request, body: bytes) -> int | None:
+        return scanned_priority(body, request.headers.get("x-vega-priority"))
 
     def parse(self, request: Request, model: str, body: bytes, keyed: bool) -> Call:
         """The call a /v1 body makes, fingerprinted when ``keyed`` (idempotent).
@@ -153,6 +157,12 @@ class Relief:
     def around(self, runtime: Runtime) -> Handler:
         return idempotent(self.idempotency, cached(self.cache, runtime, core(runtime)))
 
+    def refuse_early(self, request: Request, model: str) -> bool:
+        """Whether load may refuse a request before its body is parsed: not where an
+        idempotent replay or a cached answer could answer it without the model."""
+        return "idempotency-key" not in request.headers and not (
+            self.cache is not None and self.cache.covers(model))
+
     def check_headers(self, request: Request) -> None:
         """What is refused before the body is read: a malformed Idempotency-Key."""
         self.idempotency.key_of(request.headers.get("idempotency-key"))
@@ -193,9 +203,10 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
             await relief.close()
 
     jobs = JobsApi(runtime, parse_infer_body)  # the async lane (vega/jobs/)
-    v1 = Guard(runtime, V1(runtime), stack, [relief.check_headers], later=jobs)
+    v1 = Guard(runtime, V1(runtime), stack, [relief.check_headers], later=jobs,
+               refuse_early=relief.refuse_early)
     oip = OipApi(runtime)
-    v2 = Guard(runtime, oip, stack, [relief.check_headers])
+    v2 = Guard(runtime, oip, stack, [relief.check_headers], refuse_early=relief.refuse_early)
     hot = [(Route("/v1/infer", v1, methods=["POST"]), v1),
            (Route("/v1/models/{name}/infer", v1, methods=["POST"]), v1),
            *((route, v2) for route in oip.infer_routes(v2))]

@@ -113,12 +113,14 @@ class Guard:
 
     def __init__(self, runtime: Runtime, dialect: Dialect, handler: Handler,
                  checks: Sequence[Callable[[Request], object]] = (),
-                 later: Later | None = None) -> None:
+                 later: Later | None = None,
+                 refuse_early: Callable[[Request, str], bool] = lambda _r, _m: True) -> None:
         self.runtime = runtime
         self.dialect = dialect
         self.handler = handler
         self.checks = checks  # of the headers, before the body is read (raise VegaError)
         self.later = later
+        self.refuse_early = refuse_early  # (request, model): may load refuse it unparsed?
         self.max_body_bytes = runtime.settings.max_body_bytes
 
     async def __call__(self, request: Request) -> Sent:
@@ -134,15 +136,22 @@ class Guard:
         kept: bytes | None = None  # the body, only for a refusal that may become a job
         try:
             model = self.dialect.model(request)
+            early = self.refuse_early(request, model)
             # Refuse before reading the body when even the most favoured class this
             # request can claim would not get in: a flood of refusals stays cheap.
             hinted = request.headers.get("x-vega-priority")
             claimed = PRIORITY_BY_NAME.get(hinted.strip().lower(), CRITICAL) if hinted else CRITICAL
-            self.runtime.gate(model, claimed if self.dialect.refuses_unread else None)
+            self.runtime.gate(model, claimed if early and self.dialect.refuses_unread else None)
             for check in self.checks:
                 check(request)
             body = await read_body(request, self.max_body_bytes)
             kept = body if later is not None else None
+            # And before parsing it, for the class its text names: without the header,
+            # the parse was a third of what a refusal cost the loop (docs/bench.md).
+            scanned = self.dialect.claimed(request, body) if early else None
+            if scanned is not None:
+                priority = scanned
+                self.runtime.gate(model, scanned)
             call = self.dialect.parse(request, model, body,
                                       keyed="idempotency-key" in request.headers)
             del body

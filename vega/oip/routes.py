@@ -117,6 +117,9 @@ class OipApi:
     def model(self, request: Request) -> str:
         return self._adapter(request).name
 
+    def claimed(self, request: Request, body: bytes) -> int | None:
+        return None  # parameters.priority is in a nested object: the parse reads it
+
     def parse(self, request: Request, model: str, body: bytes, keyed: bool) -> Call:
         limit = self.settings.max_body_bytes
         body = decompress(body, request.headers.get("content-encoding"), limit)
