@@ -39,11 +39,12 @@ class Served:
     def forwarded(self) -> int:
         return forwarded(str(self.log))
 
-    def counted(self, outcome: str) -> float:
+    def counted(self, outcome: str, priority: str | None = None) -> float:
         total = 0.0
         for metric in self.runtime.metrics.requests.collect():
             for sample in metric.samples:
-                if sample.name.endswith("_total") and sample.labels["outcome"] == outcome:
+                if sample.name.endswith("_total") and sample.labels["outcome"] == outcome \
+                        and priority in (None, sample.labels["priority"]):
                     total += sample.value
         return total
 
@@ -202,10 +203,15 @@ async def test_load_refuses_a_body_for_the_class_it_names_before_parsing_it(
     refused = await crowded.client.post("/v1/infer", content=TRUNCATED % priority.encode())
     assert refused.status_code == 429 and refused.json()["error"]["code"] == code
     assert "retry-after" in refused.headers
-    counted = {(s.labels["priority"], s.labels["outcome"]): s.value
-               for metric in crowded.runtime.metrics.requests.collect()
-               for s in metric.samples if s.name.endswith("_total")}
-    assert counted[(priority, code)] == 1  # under the class the body named
+    assert crowded.counted(code, priority) == 1  # under the class the body named
+
+
+async def test_a_request_refused_unread_is_counted_under_its_header_s_class(
+        crowded: Served) -> None:
+    refused = await crowded.client.post("/v1/infer", content=b'{"inputs": [[0.5',
+                                        headers={"X-Vega-Priority": "sheddable"})
+    assert refused.json()["error"]["code"] == "shed"
+    assert crowded.counted("shed", "sheddable") == 1
 
 
 async def test_a_body_that_may_get_in_or_be_answered_without_the_model_is_parsed(

@@ -140,7 +140,9 @@ class Guard:
             # Refuse before reading the body when even the most favoured class this
             # request can claim would not get in: a flood of refusals stays cheap.
             hinted = request.headers.get("x-vega-priority")
-            claimed = PRIORITY_BY_NAME.get(hinted.strip().lower(), CRITICAL) if hinted else CRITICAL
+            named = PRIORITY_BY_NAME.get(hinted.strip().lower()) if hinted else None
+            priority = NORMAL if named is None else named  # counted under it if refused here
+            claimed = CRITICAL if named is None else named
             self.runtime.gate(model, claimed if early and self.dialect.refuses_unread else None)
             for check in self.checks:
                 check(request)
@@ -149,7 +151,7 @@ class Guard:
             # And before parsing it, for the class its text names: without the header,
             # the parse was a third of what a refusal cost the loop (docs/bench.md).
             scanned = self.dialect.claimed(request, body) if early else None
-            if scanned is not None:
+            if scanned is not None and scanned != named:  # the header's class was checked
                 priority = scanned
                 self.runtime.gate(model, scanned)
             call = self.dialect.parse(request, model, body,
