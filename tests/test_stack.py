@@ -206,12 +206,21 @@ async def test_load_refuses_a_body_for_the_class_it_names_before_parsing_it(
     assert crowded.counted(code, priority) == 1  # under the class the body named
 
 
-async def test_a_request_refused_unread_is_counted_under_its_header_s_class(
+async def test_a_body_that_names_no_class_is_refused_for_its_header_s_class(
         crowded: Served) -> None:
     refused = await crowded.client.post("/v1/infer", content=b'{"inputs": [[0.5',
                                         headers={"X-Vega-Priority": "sheddable"})
     assert refused.json()["error"]["code"] == "shed"
     assert crowded.counted("shed", "sheddable") == 1
+
+
+@pytest.mark.parametrize("header", ["normal", "sheddable"])
+async def test_the_body_s_class_wins_over_the_header_s_under_load(
+        crowded: Served, header: str) -> None:
+    # Critical still has room: the body is parsed, as a request of that class would be.
+    response = await crowded.client.post("/v1/infer", content=TRUNCATED % b"critical",
+                                         headers={"X-Vega-Priority": header})
+    assert response.json()["error"]["code"] == "invalid_json"
 
 
 async def test_a_body_that_may_get_in_or_be_answered_without_the_model_is_parsed(

@@ -75,8 +75,8 @@ class Reply:
 class Dialect(Protocol):
     """How one API reads inference requests and writes their answers."""
 
-    # Refuse before the body is read when even the class a header may claim would not
-    # get in (/v1); v2 clients give the class only in the body, so v2 reads it first.
+    # Refuse before the body is read when not even a critical request would get in (/v1);
+    # v2 clients name their class in the body, so v2 reads it first and refuses by it.
     refuses_unread: bool
 
     def model(self, request: Request) -> str:
