@@ -142,7 +142,8 @@ class Admission:
                         retry_after_ms=self._drain_ms(excess))
 
     def precheck(self, priority: int) -> None:
-        """Refuse before the body is read when no request of this class could enter."""
+        """Refuse before the body is read or parsed when no request of this class could
+        enter (its watermark: the other rules need the parsed request)."""
         self._check_room(priority, 1)
 
     def _check_queue_time(self, priority: int, buckets: Sequence[int], ahead_s: float,

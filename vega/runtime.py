@@ -238,8 +238,9 @@ class Runtime:
             raise VegaError("not_ready", f"this process {why}", retry_after_ms=1000.0)
 
     def gate(self, model: str, claimed: int | None) -> None:
-        """The checks before a request's body is read: open, the model known, and room for
-        the most favoured class it can claim, if given (unless a fallback may take it)."""
+        """The checks before a request's body is read, and again before it is parsed: open,
+        the model known, and room for the most favoured class it can claim, if given
+        (unless a fallback may take it)."""
         self.check_open()
         served = self.served(model)
         if claimed is not None and self.fallback_for(served, claimed) is None:
