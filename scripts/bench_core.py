@@ -43,14 +43,16 @@ sys.path.insert(0, str(ROOT))
 
 def ceiling(length: int, sizes: tuple[int, ...] = (1, 8, 16, 32, 64),
             per_size_s: float = 2.0, spec: str = "sensor") -> dict[int, float]:
-    """The model's own items/s per batch size, in this thread, on one torch thread."""
+    """The model's own items/s per batch size, in this thread, on one torch thread, on the
+    device the servers pick (VEGA_DEVICE, by default a GPU where torch sees one)."""
     import torch
 
+    from vega.executor import pick_device
     from vega.models import load_model
 
     torch.set_num_threads(1)
     model = load_model(spec)
-    model.load("cpu")
+    model.load(pick_device(os.environ.get("VEGA_DEVICE", "auto")))
     sample = model.example(length)
     rates = {}
     for size in sizes:

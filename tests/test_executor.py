@@ -21,7 +21,7 @@ from tests.servers import VegaProcess, metric, wait_until
 from tests.virtual.test_batcher import config, item
 from vega.batcher import Batcher
 from vega.errors import VegaError
-from vega.executor import Executor
+from vega.executor import Executor, pick_device
 from vega.modelproc import ProcessPlan
 from vega.models import SequenceModel, load_model
 from vega.records import Batch, Item
@@ -30,10 +30,13 @@ pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
 
 ENCODER = "python:tests.models:encoder"
 ECHO = "python:tests.models:echo"
+# Where the models run: the device a server here would pick (a GPU where torch sees one),
+# or VEGA_DEVICE's (scripts/gpu-check runs these tests on cuda).
+DEVICE = pick_device(os.environ.get("VEGA_DEVICE", "auto"))
 
 
 def plan(spec: str, name: str, timeout_s: float = 30.0) -> ProcessPlan:
-    return ProcessPlan(specs=((spec, name),), device="cpu", torch_threads=1,
+    return ProcessPlan(specs=((spec, name),), device=DEVICE, torch_threads=1,
                        slot_bytes=1 << 20, timeout_s=timeout_s)
 
 
@@ -42,7 +45,7 @@ def encoder_executor(request: pytest.FixtureRequest) -> Iterator[tuple[Executor,
     model = encoder("encoder")
     executor = Executor({"encoder": model}, torch_threads=1,
                         plan=plan(ENCODER, "encoder") if request.param == "process" else None)
-    executor.load("cpu")
+    executor.load(DEVICE)
     assert executor.kind == request.param
     yield executor, model
     executor.shutdown()
@@ -53,7 +56,7 @@ def test_each_way_gives_the_models_own_outputs(
         encoder_executor: tuple[Executor, SequenceModel], lengths: list[int]) -> None:
     executor, model = encoder_executor
     reference = encoder("reference")  # the same seed, run directly in this thread
-    reference.load("cpu")
+    reference.load(DEVICE)
     rng = np.random.default_rng(len(set(lengths)))
     samples = [model.decode(rng.standard_normal((n, 8)).tolist())[0] for n in lengths]
     outputs, _ = executor.run_sync("encoder", samples, max(lengths))
@@ -81,7 +84,7 @@ async def echo_executor() -> tuple[Executor, SequenceModel]:
     model = load_model(ECHO, "echo")
     assert isinstance(model, SequenceModel)
     executor = Executor({"echo": model}, plan=plan(ECHO, "echo"))
-    await asyncio.get_running_loop().run_in_executor(None, executor.load, "cpu")
+    await asyncio.get_running_loop().run_in_executor(None, executor.load, DEVICE)
     return executor, model
 
 
@@ -91,7 +94,7 @@ async def test_the_runner_tells_of_a_batch_end_first_and_when_it_ended(way: str)
         executor, model = await echo_executor()
     else:
         model = echo("echo")
-        model.load("cpu")
+        model.load(DEVICE)
         executor = Executor({"echo": model})
     try:
         batch = echo_batch(model, 0.5, size=2)
@@ -311,7 +314,7 @@ async def test_a_freed_thread_gets_the_held_batch_before_the_answers_are_handled
     the finished batch's own callback, ahead of the handlers that batch wakes; queued
     behind them it waited out their work with the thread idle."""
     model = echo("m")
-    model.load("cpu")
+    model.load(DEVICE)
     executor = Executor({"m": model})
     dispatched: list[int] = []
 
