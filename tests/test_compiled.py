@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -15,6 +16,7 @@ import pytest
 
 from tests.models import encoder_small
 from tests.servers import VegaProcess
+from vega.executor import pick_device
 from vega.models import SequenceModel, load_model
 from vega.models.compiled import CompiledModel, PackageError, read_metadata
 from vega.models.export import ExportError, export_package
@@ -24,6 +26,11 @@ pytestmark = pytest.mark.slow  # started first (tests/scheduling.py): one compil
 
 SMALL = "python:tests.models:encoder_small"
 ROOT = Path(__file__).resolve().parent.parent
+# The package is compiled for, and run on, the device a server here would pick (a GPU
+# where torch sees one), or VEGA_DEVICE's: scripts/gpu-check runs these tests on cuda.
+DEVICE = pick_device(os.environ.get("VEGA_DEVICE", "auto"))
+KIND = DEVICE.split(":")[0]
+OTHER = "cpu" if KIND == "cuda" else "cuda"
 
 
 def export(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,7 +41,7 @@ def export(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("compiled") / "small.pt2"
-    done = export("--model", SMALL, "--out", str(out))
+    done = export("--model", SMALL, "--out", str(out), "--device", KIND)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"VEGA_MODEL=aoti:{out}" in done.stderr
     return out
@@ -42,7 +49,7 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def reference() -> SequenceModel:
     model = encoder_small("reference")  # the same seed, run eagerly in this process
-    model.load("cpu")
+    model.load(DEVICE)
     return model
 
 
@@ -60,7 +67,7 @@ def test_the_package_carries_what_serving_it_needs(package: Path) -> None:
 @pytest.mark.parametrize("lengths", [[64] * 8, [1, 5, 9, 16, 37, 130, 256], [512, 3]])
 def test_the_package_answers_as_the_module_does(package: Path, lengths: list[int]) -> None:
     model = load_model(f"aoti:{package}")
-    model.load("cpu")
+    model.load(DEVICE)
     eager = reference()
     rng = np.random.default_rng(len(lengths))
     samples = [model.decode(rng.standard_normal((n, 8)).tolist())[0] for n in lengths]
@@ -94,8 +101,8 @@ def test_auto_serves_the_package_in_a_model_process(
 
 def test_a_package_for_another_device_is_refused_before_it_loads(package: Path) -> None:
     model = CompiledModel(str(package), "small")
-    with pytest.raises(PackageError, match="compiled for cpu, not cuda"):
-        model.load("cuda")
+    with pytest.raises(PackageError, match=f"compiled for {KIND}, not {OTHER}"):
+        model.load(OTHER)
     assert model.module is None
 
 
