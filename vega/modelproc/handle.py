@@ -123,7 +123,7 @@ class ModelProcess:
 
     def start(self) -> None:
         """Start the child and wait until its models are loaded (raises ModelProcessError)."""
-        self._spawn(warm=False)
+        self._spawn(restart=False)
 
     def run(self, lane: int, model: str, samples: list[Any], pad_to: int
             ) -> tuple[list[Any], float]:
@@ -295,12 +295,14 @@ class ModelProcess:
 
     # -- one life of the child -------------------------------------------------------
 
-    def _spawn(self, warm: bool) -> None:
+    def _spawn(self, restart: bool) -> None:
+        """Start a life of the child; a restart warms itself up (the first is warmed by the
+        server's warm-up)."""
         plan = self.plan
         config = ChildConfig(specs=plan.specs, device=plan.device,
                              torch_threads=plan.torch_threads, slot_bytes=plan.slot_bytes,
                              lanes=plan.lanes,
-                             warm_shapes=plan.warm_shapes if warm else (), cpus=plan.cpus)
+                             warm_shapes=plan.warm_shapes if restart else (), cpus=plan.cpus)
         ours, theirs = socket.socketpair()
         # The child imports the models as this process did: same path, same directory.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
@@ -327,6 +329,8 @@ class ModelProcess:
             raise ModelProcessError(f"model process failed to start: {hello.get('error')}")
         self.pid = process.pid
         self._started_at = time.monotonic()
+        if restart:  # counted before it is seen up, so whoever sees it up sees the count
+            self.restarts += 1
         self._up.set()
         log.info("model process %d ready (pid %d)", self.index, process.pid)
         threading.Thread(target=self._watch, args=(process,), daemon=True,
@@ -357,11 +361,10 @@ class ModelProcess:
             time.sleep(self._backoff_s())
             self._failures += 1
             try:
-                self._spawn(warm=True)
+                self._spawn(restart=True)
             except ModelProcessError as error:
                 log.error("model process %d: %s; trying again", self.index, error)
                 continue
-            self.restarts += 1
             if self._closed:  # closed while this life was starting
                 self._stop_child(grace_s=0.0)
             return
