@@ -21,6 +21,25 @@ import pytest
 from tests.servers import free_port, wait_until
 from vega.lab.cluster import render_nginx
 
+# Every redis-server started here, so that none outlives the session even where a
+# fixture's teardown did not run (a dropped Popen of a running server would also turn
+# into a ResourceWarning, an error, in whichever test the collector happens to run).
+_REDIS: list[subprocess.Popen[bytes]] = []
+
+
+def start_redis(args: Sequence[str], cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["redis-server", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=cwd)
+    _REDIS.append(proc)
+    return proc
+
+
+def pytest_sessionfinish() -> None:
+    for proc in _REDIS:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
 
 def unavailable(why: str) -> NoReturn:
     """Skip a test this machine cannot run, except in CI, whose machines can run them all:
@@ -56,10 +75,8 @@ class RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = start_redis(["--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", str(self.workdir)])
         wait_until(lambda: _answers(self.port), 10, "redis-server")
         return self
 

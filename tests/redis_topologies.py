@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.infra import _answers, require
+from tests.infra import _answers, require, start_redis
 from tests.servers import wait_until
 
 SERVICE = "vega-primary"  # the name the Sentinel gives the primary
@@ -32,12 +32,18 @@ def _bindable(port: int) -> bool:
             return False
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    while True:
-        port = random.randrange(20000, 30000)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
+# Its own generator: a test that seeds the global one must not make two workers draw alike.
+_PORTS = random.Random()
+
+
+def cluster_ports(count: int) -> list[int]:
+    """Distinct free ports whose cluster bus ports (port + 10000) are free too."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = _PORTS.randrange(20000, 30000)
+        if port not in ports and _bindable(port) and _bindable(port + 10000):
+            ports.append(port)
+    return ports
 
 
 def _info(port: int, *command: str) -> str:
@@ -54,9 +60,8 @@ class Servers:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def start(self, port: int, *args: str) -> None:
-        self.procs[port] = subprocess.Popen(
-            ["redis-server", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            cwd=self.workdir)
+        assert port not in self.procs or self.procs[port].poll() is not None, port
+        self.procs[port] = start_redis(args, cwd=self.workdir)
         wait_until(lambda: _answers(port), 10, f"redis on {port}")
 
     def kill(self, port: int) -> None:
@@ -78,7 +83,7 @@ def _data_args(port: int, workdir: Path) -> list[str]:
 class Cluster(Servers):
     def __init__(self, workdir: Path, primaries: int = 3) -> None:
         super().__init__(workdir)
-        self.ports = [cluster_port() for _ in range(primaries)]
+        self.ports = cluster_ports(primaries)
         # Two seeds: the client discovers the third.
         self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:2])
 
@@ -115,7 +120,7 @@ class SentinelSet(Servers):
 
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir)
-        self.primary, self.replica, self.sentinel = (cluster_port() for _ in range(3))
+        self.primary, self.replica, self.sentinel = cluster_ports(3)
         self.url = f"redis+sentinel://127.0.0.1:{self.sentinel}/{SERVICE}"
 
     def up(self) -> SentinelSet:
