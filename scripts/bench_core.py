@@ -41,18 +41,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def device() -> str:
+    """The device the servers pick (VEGA_DEVICE, by default a GPU where torch sees one)."""
+    from vega.executor import pick_device
+
+    return pick_device(os.environ.get("VEGA_DEVICE", "auto"))
+
+
 def ceiling(length: int, sizes: tuple[int, ...] = (1, 8, 16, 32, 64),
             per_size_s: float = 2.0, spec: str = "sensor") -> dict[int, float]:
     """The model's own items/s per batch size, in this thread, on one torch thread, on the
-    device the servers pick (VEGA_DEVICE, by default a GPU where torch sees one)."""
+    servers' device."""
     import torch
 
-    from vega.executor import pick_device
     from vega.models import load_model
 
     torch.set_num_threads(1)
     model = load_model(spec)
-    model.load(pick_device(os.environ.get("VEGA_DEVICE", "auto")))
+    model.load(device())
     sample = model.example(length)
     rates = {}
     for size in sizes:
@@ -139,9 +145,18 @@ def batch_seconds(port: int) -> tuple[float, float]:
 
 
 def serve(port: int, **env: str) -> subprocess.Popen[bytes]:
+    return ready(spawn(port, **env), port)
+
+
+def spawn(port: int, **env: str) -> subprocess.Popen[bytes]:
+    """``vega serve`` on ``port``, not waited for (``ready`` waits)."""
     full = {**os.environ, "VEGA_PORT": str(port), "VEGA_TORCH_THREADS": "1", **env}
-    proc = subprocess.Popen([sys.executable, "-m", "vega", "serve"], env=full, cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "vega", "serve"], env=full, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def ready(proc: subprocess.Popen[bytes], port: int) -> subprocess.Popen[bytes]:
+    """``proc`` once its /readyz answers 200; killed after a minute without."""
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:

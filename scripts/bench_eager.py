@@ -67,13 +67,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_core import (  # noqa: E402
     batch_seconds,
     ceiling,
+    device,
     serve,
     summary,
     thread_seconds,
     thread_split,
 )
-
-from vega.executor import pick_device  # noqa: E402
 
 MODEL = "python:tests.models:encoder"
 WIDE = "python:tests.models:encoder_wide"
@@ -450,9 +449,8 @@ def main() -> int:
     options = parser.parse_args()
     chosen = set(filter(None, options.phases.split(",")))
     out = Path(tempfile.mkdtemp(prefix="vega-bench-eager-"))
-    device = pick_device(os.environ.get("VEGA_DEVICE", "auto"))  # the servers' and the ceiling's
-    print(f"device: {device}")
-    results: dict[str, Any] = {"seconds": options.seconds, "device": device, "rounds": []}
+    print(f"device: {device()}")
+    results: dict[str, Any] = {"seconds": options.seconds, "device": device(), "rounds": []}
 
     def wanted(key: str, value: str) -> bool:
         return any(env.get(key) == value and (not chosen or name in chosen)

@@ -17,48 +17,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_core import ceiling, summary
+from bench_core import ceiling, device, ready, spawn, summary
 from bench_eager import MODEL, load
-
-from vega.executor import pick_device
 
 PORT = 18900
 
 
 def start(ports: list[int]) -> list[subprocess.Popen[bytes]]:
-    """The servers, started at once and each waited for until ready."""
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "vega", "serve"], cwd=ROOT,
-        env={**os.environ, "VEGA_PORT": str(port), "VEGA_TORCH_THREADS": "1",
-             "VEGA_MODEL": MODEL},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for port in ports]
-    deadline = time.monotonic() + 120
-    for port in ports:
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                stop(procs)
-                raise RuntimeError(f"the server on port {port} did not become ready")
-            time.sleep(0.1)
+    """The servers, started at once (their warm-ups overlap), then each waited for."""
+    procs = [spawn(port, VEGA_MODEL=MODEL) for port in ports]
+    try:
+        for proc, port in zip(procs, ports):
+            ready(proc, port)
+    except RuntimeError:
+        stop(procs)
+        raise
     return procs
 
 
@@ -95,9 +79,8 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=64, help="callers per process")
     parser.add_argument("--lengths", default="64", help="window lengths, as vega bench takes")
     options = parser.parse_args()
-    device = pick_device(os.environ.get("VEGA_DEVICE", "auto"))
     alone = max(ceiling(64, (32, 64), per_size_s=1.0, spec=MODEL).values())
-    print(f"device: {device}; the module alone at 64 steps, best batch: {alone:.0f} items/s")
+    print(f"device: {device()}; the module alone at 64 steps, best batch: {alone:.0f} items/s")
     out = Path(tempfile.mkdtemp(prefix="vega-bench-procs-"))
     steps: list[dict[str, Any]] = []
     for n in (int(p) for p in options.procs.split(",")):
@@ -106,7 +89,7 @@ def main() -> int:
         step["vs_module_alone"] = round(step["ok_rate"] / alone, 2)
         steps.append(step)
         print(json.dumps(step))
-    results = {"device": device, "module_alone_items_per_s": alone, "steps": steps}
+    results = {"device": device(), "module_alone_items_per_s": alone, "steps": steps}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"wrote {out / 'results.json'}")
     return 0

@@ -26,6 +26,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def served_device() -> str:
+    """The device a ``vega serve`` here picks (VEGA_DEVICE, by default a GPU where torch
+    sees one): where in-process tests run their models, so that scripts/gpu-check's run
+    of them on cuda tests what the servers do."""
+    from vega.executor import pick_device
+
+    return pick_device(os.environ.get("VEGA_DEVICE", "auto"))
+
+
 def wait_until(check: Any, timeout_s: float = 60.0, what: str = "condition") -> Any:
     """Poll ``check()`` until it returns something truthy."""
     end = time.monotonic() + timeout_s

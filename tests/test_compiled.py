@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import zipfile
@@ -15,8 +14,7 @@ import orjson
 import pytest
 
 from tests.models import encoder_small
-from tests.servers import VegaProcess
-from vega.executor import pick_device
+from tests.servers import VegaProcess, served_device
 from vega.models import SequenceModel, load_model
 from vega.models.compiled import CompiledModel, PackageError, read_metadata
 from vega.models.export import ExportError, export_package
@@ -26,9 +24,7 @@ pytestmark = pytest.mark.slow  # started first (tests/scheduling.py): one compil
 
 SMALL = "python:tests.models:encoder_small"
 ROOT = Path(__file__).resolve().parent.parent
-# The package is compiled for, and run on, the device a server here would pick (a GPU
-# where torch sees one), or VEGA_DEVICE's: scripts/gpu-check runs these tests on cuda.
-DEVICE = pick_device(os.environ.get("VEGA_DEVICE", "auto"))
+DEVICE = served_device()  # the package is compiled for it
 KIND = DEVICE.split(":")[0]
 OTHER = "cpu" if KIND == "cuda" else "cuda"
 

@@ -17,11 +17,11 @@ import pytest
 
 from tests.infra import unavailable
 from tests.models import FAIL_MARK, echo, encoder, window
-from tests.servers import VegaProcess, metric, wait_until
+from tests.servers import VegaProcess, metric, served_device, wait_until
 from tests.virtual.test_batcher import config, item
 from vega.batcher import Batcher
 from vega.errors import VegaError
-from vega.executor import Executor, pick_device
+from vega.executor import Executor
 from vega.modelproc import ProcessPlan
 from vega.models import SequenceModel, load_model
 from vega.records import Batch, Item
@@ -30,9 +30,7 @@ pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
 
 ENCODER = "python:tests.models:encoder"
 ECHO = "python:tests.models:echo"
-# Where the models run: the device a server here would pick (a GPU where torch sees one),
-# or VEGA_DEVICE's (scripts/gpu-check runs these tests on cuda).
-DEVICE = pick_device(os.environ.get("VEGA_DEVICE", "auto"))
+DEVICE = served_device()
 
 
 def plan(spec: str, name: str, timeout_s: float = 30.0) -> ProcessPlan:
