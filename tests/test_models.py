@@ -32,6 +32,8 @@ def test_decode_accepts_windows_and_reports_length(sensor: SequenceModel) -> Non
     [[10 ** 400] * 8], [[1e39] * 8], [[[1.0] * 8]], [[1.0] * 8] * 513,
     [[float("nan")] * 8], [[1.0] * 8] * 300 + [[-float("inf")] + [1.0] * 7],
     [[1.0] * 8] * 300 + [[1.0] * 7 + [-1e39]],  # past the first block converted
+    [["1.5"] * 8], [[0.5] * 7 + ["1"]], ["abcdefgh"], [{str(k): 1.0 for k in range(8)}],
+    [[True] * 8],
 ])
 def test_decode_refuses_bad_instances_with_invalid_input(sensor: SequenceModel,
                                                          instance: object) -> None:
