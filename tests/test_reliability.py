@@ -15,7 +15,7 @@ import pytest
 
 from tests.books import NOT_ACCEPTED, Books, Planned, offer, steady
 from tests.models import FAIL_MARK, ledger, tagged, window
-from tests.servers import VegaProcess
+from tests.servers import VegaProcess, metric, wait_until
 
 pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
 
@@ -142,22 +142,36 @@ async def test_slow_clients_do_not_starve_the_rest(ledgered: Callable[..., VegaP
 
 async def test_disconnecting_callers_are_not_run(ledgered: Callable[..., VegaProcess],
                                                  tmp_path: Path) -> None:
-    server = ledgered(TEST_SLEEP_MS="200", VEGA_MAX_BATCH_SIZE="1",
-                      VEGA_MAX_INFLIGHT_BATCHES="1")
-    callers = []
-    for i in range(1, 11):
+    # A long CoDel interval lets the nine queue behind a 1-s item instead of being refused.
+    server = ledgered(TEST_SLEEP_MS="1000", VEGA_MAX_BATCH_SIZE="1",
+                      VEGA_MAX_INFLIGHT_BATCHES="1", VEGA_CODEL_INTERVAL_MS="10000")
+
+    opened: list[socket.socket] = []
+
+    def call(item_id: int) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", server.port))
-        payload = body(i, "normal")
+        opened.append(sock)
+        payload = body(item_id, "normal", deadline_ms=10000)
         sock.sendall(f"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}"
                      "\r\n\r\n".encode() + payload)
-        callers.append(sock)
-    await asyncio.sleep(0.1)  # the first is running; the other nine wait in the queue
-    for sock in callers[1:]:
-        sock.close()  # ...and hang up
-    assert callers[0].recv(100).startswith(b"HTTP/1.1 200")
-    callers[0].close()
-    await asyncio.sleep(0.5)
+        return sock
+
+    try:
+        first = call(1)  # runs alone; the server sees it before the rest, however loaded
+        wait_until(lambda: metric(server, "vega_inflight_batches") == 1, 10, "the first running")
+        waiting = [call(i) for i in range(2, 11)]
+        wait_until(lambda: metric(server, "vega_queue_depth") >= 8, 10, "the rest queued")
+        for sock in waiting:
+            sock.close()  # ...and hang up
+        assert first.recv(100).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in opened:
+            sock.close()
+    # Served as they would be, the nine would take 9 s; hung up, the queue empties at once.
+    wait_until(lambda: metric(server, "vega_queue_depth") + metric(server, "vega_inflight_batches")
+               == 0, 15, "the queue to empty")
     ran = ledger(str(tmp_path / "ran"))
     assert 1 in ran and len([i for i in ran if i > 1]) <= 1, ran  # at most one was dispatched
-    window_ok = httpx.post(server.url + "/v1/infer", content=orjson.dumps({"inputs": window(4)}))
-    assert window_ok.status_code == 200
+    window_ok = httpx.post(server.url + "/v1/infer", content=orjson.dumps({"inputs": window(4),
+                                                             "deadline_ms": 10000}))
+    assert window_ok.status_code == 200, window_ok.text
