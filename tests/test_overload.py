@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -155,16 +154,18 @@ async def test_drain_on_sigterm_answers_everything_admitted(
 
 
 def test_disconnected_caller_is_dropped_before_dispatch(vega: Callable[..., VegaProcess]) -> None:
-    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="400",
-                  VEGA_MAX_BATCH_SIZE="1", VEGA_MAX_INFLIGHT_BATCHES="1")
-    request = (f"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n"
-               .encode() + BODY)
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="1000",
+                  VEGA_MAX_BATCH_SIZE="1", VEGA_MAX_INFLIGHT_BATCHES="1",
+                  VEGA_WARMUP_BATCHES="1")
+    body = orjson.dumps({"inputs": window(8), "deadline_ms": 10000})  # a 1-s model's
+    request = (f"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+               .encode() + body)
     with socket.create_connection(("127.0.0.1", server.port)) as busy:
-        busy.sendall(request)  # occupies the only executor slot for 400 ms
-        time.sleep(0.1)
+        busy.sendall(request)  # occupies the only executor slot for 1 s
+        wait_until(lambda: metric(server, "vega_inflight_batches") == 1, 10, "the first running")
         with socket.create_connection(("127.0.0.1", server.port)) as gone:
             gone.sendall(request)
-            time.sleep(0.1)
+            wait_until(lambda: metric(server, "vega_queue_depth") == 1, 10, "the second queued")
         assert busy.recv(100).startswith(b"HTTP/1.1 200")
 
     def counted() -> str:
