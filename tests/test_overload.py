@@ -141,8 +141,11 @@ async def test_drain_on_sigterm_answers_everything_admitted(
     load = asyncio.create_task(fire(server.url, [BODY] * 40))
     await admitted(server, 40)  # all of the load is in before the signal
     server.signal(signal.SIGTERM)
-    await asyncio.sleep(0.1)
     async with httpx.AsyncClient(timeout=10) as client:
+        for _ in range(500):  # until the signal is handled, however loaded the machine
+            if (await client.get(server.url + "/readyz")).status_code == 503:
+                break
+            await asyncio.sleep(0.02)
         during = await client.post(server.url + "/v1/infer", content=BODY)
     assert during.status_code == 503 and during.json()["error"]["code"] == "draining"
     assert int(during.headers["retry-after"]) >= 1
