@@ -140,8 +140,8 @@ async def test_slow_clients_do_not_starve_the_rest(ledgered: Callable[..., VegaP
     assert httpx.get(server.url + "/healthz").status_code == 200
 
 
-async def test_disconnecting_callers_are_not_run(ledgered: Callable[..., VegaProcess],
-                                                 tmp_path: Path) -> None:
+def test_disconnecting_callers_are_not_run(ledgered: Callable[..., VegaProcess],
+                                           tmp_path: Path) -> None:
     # A long CoDel interval lets the nine queue behind a 1-s item instead of being refused.
     server = ledgered(TEST_SLEEP_MS="1000", VEGA_MAX_BATCH_SIZE="1",
                       VEGA_MAX_INFLIGHT_BATCHES="1", VEGA_CODEL_INTERVAL_MS="10000",
