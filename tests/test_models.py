@@ -51,6 +51,39 @@ def test_decode_converts_every_block_of_a_long_window(sensor: SequenceModel, len
     assert sensor.decode(as_float32)[0] is as_float32  # already float32: checked, not copied
 
 
+def _windows() -> list[object]:
+    """Windows, good and bad, of every kind a JSON body can hold."""
+    rng = np.random.default_rng(7)
+    normal = [rng.standard_normal((n, 8)).round(6).tolist() for n in (1, 2, 62, 63, 64, 300, 512)]
+    zeros = rng.standard_normal((40, 8))
+    zeros[rng.random((40, 8)) < 0.3] = 0.0
+    row = [0.5] * 7
+    return [*normal, zeros.tolist(), rng.integers(-1000, 1000, (9, 8)).tolist(),
+            [[2 ** 62] * 8], [[1, 2.5] * 4] * 3, [[3.4028234e38, -0.0, 1e-45, 1e-50] * 2],
+            [[3.5e38] + row], [[1.0] * 8] * 513, [[1.0] * 8, [1.0] * 7], [[1.0] * 9],
+            [[1.0] * 7, [1.0] * 9],  # ragged, though as many values as two rows hold
+            [row + [True]], [[True] + row], [[True] * 8], [[False] * 8] * 2,
+            [row + [None]], [row + ["1.5"]], [row + [[1.0]]], [[]], [], ["abcdefgh"],
+            [{str(k): 1.0 for k in range(8)}], [row + [float("nan")]], [(1.0,) * 8], 5]
+
+
+@pytest.mark.parametrize("instance", _windows())
+def test_decode_answers_as_the_general_path_does(sensor: SequenceModel,
+                                                 instance: object) -> None:
+    general = load_model("sensor")
+    assert isinstance(general, SequenceModel)
+    general._packed = lambda _instance: None  # type: ignore[method-assign]
+
+    def outcome(model: SequenceModel) -> tuple[object, ...]:
+        try:
+            sample, length = model.decode(instance)
+        except VegaError as error:
+            return ("refused", error.code, error.message)
+        return ("ok", sample.dtype, sample.shape, sample.tobytes(), length)
+
+    assert outcome(sensor) == outcome(general)
+
+
 def test_outputs_do_not_depend_on_batch_mates(sensor: SequenceModel) -> None:
     rng = np.random.default_rng(0)
     samples = [sensor.decode(rng.standard_normal((n, 8)).tolist())[0] for n in (1, 9, 64, 200)]

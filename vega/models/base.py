@@ -8,8 +8,11 @@ thread for a whole batch: collate and pad, forward, split.
 from __future__ import annotations
 
 import logging
+import math
+import struct
 import warnings
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -99,6 +102,9 @@ class SequenceModel:
     def decode(self, instance: Any) -> tuple[Any, int]:
         if isinstance(instance, np.ndarray):
             return self.check_array(instance)
+        packed = self._packed(instance)
+        if packed is not None:
+            return packed, packed.shape[0]
         if not isinstance(instance, list) or not instance:
             raise invalid_input(f"expected a list of 1..{self.max_length} timesteps, "
                                 f"each a list of {self.channels} numbers")
@@ -107,6 +113,30 @@ class SequenceModel:
         except (ValueError, TypeError, OverflowError):
             raise invalid_input("instance is ragged or holds non-numbers") from None
         return self.check_array(array)
+
+    def _packed(self, instance: Any) -> np.ndarray | None:
+        """A valid window of lists as float32, packed from its numbers in one C pass; None
+        where this cannot tell, and ``np.asarray`` then decides and words the refusal.
+
+        ``np.asarray`` walks the nested lists twice (shape and type, then values): twice
+        the loop's time of a ``struct`` pack, which itself refuses anything but numbers
+        (strings, nulls, lists, values past float32). Both read a boolean among numbers
+        as a number; an all-boolean window, which numpy refuses, starts with one, so
+        such a window goes numpy's way.
+        """
+        if type(instance) is not list or not 1 <= len(instance) <= self.max_length:
+            return None
+        first = instance[0]
+        if type(first) is not list or not first or type(first[0]) is bool:
+            return None
+        try:
+            if set(map(len, instance)) != {self.channels}:
+                return None
+            window = np.empty((len(instance), self.channels), dtype=np.float32)
+            struct.pack_into(f"{window.size}f", window.data, 0, *chain.from_iterable(instance))
+        except (TypeError, struct.error, OverflowError):
+            return None
+        return window if all_finite(window) else None
 
     def check_array(self, array: np.ndarray) -> tuple[np.ndarray, int]:
         """Validate an already-built array (the binary tensor path skips JSON)."""
@@ -202,6 +232,14 @@ def finite_float32(array: np.ndarray) -> np.ndarray:
             if not np.isfinite(block).all():
                 raise invalid_input("instance holds NaN, Inf or a number too large for float32")
     return out
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether a 2-D float32 ``array`` holds no NaN or Inf, summed in row blocks that numpy
+    keeps the GIL for: a float64 sum of float32 values is finite exactly when each is."""
+    step = max(1, HELD_ELEMENTS // max(1, array.shape[1]))
+    return all(math.isfinite(array[start:start + step].sum(dtype=np.float64))
+               for start in range(0, array.shape[0], step))
 
 
 def _kind_name(array: np.ndarray) -> str:
