@@ -222,24 +222,27 @@ HELD_ELEMENTS = 500
 def finite_float32(array: np.ndarray) -> np.ndarray:
     """A 2-D numeric ``array`` as float32, refused if any value is NaN, Inf or too large
     for float32; converted in row blocks small enough that numpy keeps the GIL."""
-    out = array if array.dtype == np.float32 else np.empty(array.shape, dtype=np.float32)
-    step = max(1, HELD_ELEMENTS // max(1, array.shape[1]))
-    with np.errstate(over="ignore"):  # a value too large becomes Inf, refused below
-        for start in range(0, array.shape[0], step):
-            block = out[start:start + step]
-            if out is not array:
-                block[...] = array[start:start + step]
-            if not np.isfinite(block).all():
-                raise invalid_input("instance holds NaN, Inf or a number too large for float32")
+    out = array
+    if array.dtype != np.float32:
+        out = np.empty(array.shape, dtype=np.float32)
+        with np.errstate(over="ignore"):  # a value too large becomes Inf, refused below
+            for rows in _held_blocks(array):
+                out[rows] = array[rows]
+    if not all_finite(out):
+        raise invalid_input("instance holds NaN, Inf or a number too large for float32")
     return out
 
 
 def all_finite(array: np.ndarray) -> bool:
     """Whether a 2-D float32 ``array`` holds no NaN or Inf, summed in row blocks that numpy
     keeps the GIL for: a float64 sum of float32 values is finite exactly when each is."""
+    return all(math.isfinite(array[rows].sum(dtype=np.float64)) for rows in _held_blocks(array))
+
+
+def _held_blocks(array: np.ndarray) -> list[slice]:
+    """Row slices of a 2-D ``array``, each of at most HELD_ELEMENTS values (one row at least)."""
     step = max(1, HELD_ELEMENTS // max(1, array.shape[1]))
-    return all(math.isfinite(array[start:start + step].sum(dtype=np.float64))
-               for start in range(0, array.shape[0], step))
+    return [slice(start, start + step) for start in range(0, array.shape[0], step)]
 
 
 def _kind_name(array: np.ndarray) -> str:
