@@ -11,11 +11,12 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from starlette.datastructures import Headers
 from starlette.types import Message
 
 from tests.inproc import app_in_process, in_process
 from tests.models import echo, forwarded, window
-from vega.httpio import scanned_priority
+from vega.httpio import IndexedHeaders, scanned_priority
 from vega.pressure.cache import ResponseCache
 from vega.records import PRIORITY_NAMES
 from vega.runtime import Runtime
@@ -169,6 +170,30 @@ def test_the_class_a_v1_body_names_is_read_without_parsing_it(
     assert orjson.loads(body)  # each is JSON that the parse would read
     found = scanned_priority(body, header)
     assert (None if found is None else PRIORITY_NAMES[found]) == claimed
+
+
+@pytest.mark.parametrize("raw", [
+    [],
+    [(b"host", b"vega"), (b"x-vega-priority", b"critical"), (b"content-length", b"12")],
+    [(b"idempotency-key", b"first"), (b"accept", b"*/*"), (b"idempotency-key", b"second")],
+    [(b"prefer", b"respond-async, wait=5"), (b"x-caf\xe9", b"cr\xe8me"), (b"prefer", b"")],
+])
+def test_indexed_headers_answer_as_starlette_s_do(raw: list[tuple[bytes, bytes]]) -> None:
+    """The hot path's header lookups: same value (the first of a repeated name), same
+    absence, any case of the name asked for."""
+    indexed, plain = IndexedHeaders({"headers": list(raw)}), Headers(raw=list(raw))
+    names = {key.decode("latin-1") for key, _ in raw} | {"idempotency-key", "x-vega-deadline-ms"}
+    for name in names | {name.upper() for name in names}:
+        assert (name in indexed) == (name in plain)
+        assert indexed.get(name) == plain.get(name)
+        assert indexed.get(name, "none") == plain.get(name, "none")
+        if name in plain:
+            assert indexed[name] == plain[name]
+        else:
+            with pytest.raises(KeyError):
+                indexed[name]
+    assert indexed.getlist("prefer") == plain.getlist("prefer")
+    assert indexed.items() == plain.items()
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """Reading requests and writing answers, shared by the /v1 and /v2 routes.
 
 Size-limited body reading, JSON parsing, the priority and deadline rules, the error
-response, the inference routes' answer (``Sent``) and the hang-up check. Nothing here
-knows the runtime.
+response, the inference routes' request (``HotRequest``) and answer (``Sent``) and the
+hang-up check. Nothing here knows the runtime.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -48,6 +49,42 @@ class Sent:
         await send({"type": "http.response.start", "status": self.status,
                     "headers": self.headers})
         await send({"type": "http.response.body", "body": self.body})
+
+
+class IndexedHeaders(Headers):
+    """Starlette's ``Headers``, looked up in a dict built once.
+
+    An inference request asks for its headers about eight times, most of them absent
+    (priority, deadline, idempotency key, Prefer); each lookup scanned the whole list
+    and raised KeyError for a missing one. As in ``Headers``, the first of a repeated
+    name is the one a lookup returns.
+    """
+
+    def __init__(self, scope: Scope) -> None:
+        super().__init__(scope=scope)
+        self._index = {key.decode("latin-1"): value.decode("latin-1")
+                       for key, value in reversed(self._list)}
+
+    def __getitem__(self, key: str) -> str:
+        return self._index[key.lower()]
+
+    def __contains__(self, key: Any) -> bool:
+        return key.lower() in self._index
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._index.get(key.lower(), default)
+
+
+class HotRequest(Request):
+    """The request the inference routes read: its headers indexed once, up front."""
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        super().__init__(scope, receive, send)
+        self._indexed = IndexedHeaders(scope)
+
+    @property
+    def headers(self) -> Headers:
+        return self._indexed
 
 
 def error_response(error: VegaError) -> Response:

@@ -27,6 +27,7 @@ from vega.channel.client import SideRedis
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.httpio import (
+    HotRequest,
     error_response,
     json_response,
     parse_deadline_ms,
@@ -231,7 +232,8 @@ class HotRoutes:
 
     Starlette's router, request/response wrapping and two exception layers took a large
     share of an inference request's event-loop time. The guard answers every error
-    itself (vega.stack), so skipping them loses nothing. The routes match as they do in
+    itself (vega.stack), so skipping them loses nothing; the request it gets looks its
+    headers up in a dict (``HotRequest``). The routes match as they do in
     the router (the same Route objects); anything else, including these paths with
     another method, and the lifespan, goes to the Starlette app.
     """
@@ -247,7 +249,7 @@ class HotRoutes:
                 match, child_scope = route.matches(scope)
                 if match is Match.FULL:
                     scope.update(child_scope)
-                    response = await handler(Request(scope, receive, send))
+                    response = await handler(HotRequest(scope, receive, send))
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
