@@ -222,12 +222,11 @@ class Runtime:
 
     def served(self, name: str | None) -> Served:
         served = self.models.get(name or self.default_model)
-        warming = not self.ready and (name or self.default_model) in self.executor.models
-        if served is None and warming:
+        if served is not None:
+            return served
+        if not self.ready and (name or self.default_model) in self.executor.models:
             raise VegaError("not_ready", "this process is still warming up", retry_after_ms=1000.0)
-        if served is None:
-            raise VegaError("model_not_found", f"no model named {name!r}")
-        return served
+        raise VegaError("model_not_found", f"no model named {name!r}")
 
     def check_open(self) -> None:
         if self.draining:
