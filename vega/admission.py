@@ -158,15 +158,20 @@ class Admission:
         if priority == CRITICAL:
             return
         if batcher.standing(now):
-            # Two full batches: of items, or of work at the longest kind queued or asked
-            # for (with mixed lengths the queue holds batches of every bucket, not only
-            # this request's), so batching keeps its pipeline.
+            # Enough for batching to keep its pipeline: where the queue and the request
+            # hold one bucket, one full batch (the next batch forms full from it); with
+            # mixed lengths two, of items or of work at the longest kind queued or asked
+            # for, as the queue holds partial batches of every bucket, not only this
+            # request's.
             size = batcher.config.max_batch_size
+            lone = batcher.lone_bucket()
+            batches = 1 if lone is not None and all(b == lone for b in buckets) else 2
             queued = sum(batcher.depth(p) for p in range(priority + 1)) + len(buckets)
-            if queued <= 2 * size * share:
+            if queued <= batches * size * share:
                 return
             longest = max(batcher.longest_queued(), *buckets)
-            target = max(self.config.standing_target_s, 2 * batcher.times.predict(longest, size))
+            target = max(self.config.standing_target_s,
+                         batches * batcher.times.predict(longest, size))
             reason = "sustained overload: queue kept short"
         else:
             target = batcher.config.standing_after_s

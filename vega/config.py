@@ -233,7 +233,8 @@ class Settings:
         "non-critical items older than this.")
     codel_target_ms: float = setting("5", _float(0), "a number >= 0",
         "Under a standing queue, non-critical items join only while the work ahead is "
-        "below this (or two full batches, if more).")
+        "below this (or one full batch where one length bucket is queued, two where several "
+        "are, if more).")
     max_body_bytes: int = setting("4194304", _int(64), "an integer >= 64",
         "Largest request body read; larger ones get 413.")
     max_instances: int = setting("256", _int(1), "an integer >= 1",

@@ -42,6 +42,11 @@ class Queues:
         return next((b for b in range(len(self._bucket_depth) - 1, -1, -1)
                      if self._bucket_depth[b]), 0)
 
+    def lone_bucket(self) -> int | None:
+        """The one bucket with items queued; None when none is, or several are."""
+        occupied = [b for b, depth in enumerate(self._bucket_depth) if depth]
+        return occupied[0] if len(occupied) == 1 else None
+
     def bucket_depth(self, bucket: int) -> int:
         return self._bucket_depth[bucket]
 

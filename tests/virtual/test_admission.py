@@ -155,13 +155,29 @@ async def test_standing_queue_keeps_non_critical_to_a_few_batches_of_work() -> N
     assert batcher.standing(later)
     with pytest.raises(VegaError) as caught:
         admission.admit(NORMAL, [0], deadline=later + 100.0, now=later)
-    # Two full batches of the short bucket (2 x 4 ms) are kept; the rest is refused now.
+    # One bucket queued: one full batch of it is kept (4 ms), or VEGA_CODEL_TARGET_MS
+    # (5 ms) where that is more; the rest is refused now.
     assert caught.value.code == "queue_full"
-    assert caught.value.retry_after_ms == pytest.approx(101 - 8, abs=1)
+    assert caught.value.retry_after_ms == pytest.approx(100 - 5, abs=1)
     with pytest.raises(VegaError) as shed:
         admission.admit(SHEDDABLE, [0], deadline=later + 100.0, now=later)
     assert shed.value.code == "shed"
     admission.admit(CRITICAL, [0], deadline=later + 100.0, now=later)  # critical still joins
+
+
+async def test_a_standing_queue_keeps_one_full_batch_of_one_bucket_two_of_several() -> None:
+    # 7 short items queued (1.75 batches, 70 ms): a request for the same bucket would
+    # make the queue longer than the one batch that keeps its pipeline; one for the
+    # long bucket brings a second kind, whose batch forms apart, and two are kept.
+    admission, batcher = make(capacity=100, per_item_ms=10.0)
+    fill(batcher, 7, bucket=0)
+    now = asyncio.get_running_loop().time() + 1.0
+    assert batcher.standing(now)
+    with pytest.raises(VegaError) as refused:
+        admission.admit(NORMAL, [0], deadline=now + 100.0, now=now)
+    assert refused.value.code == "queue_full" and "kept short" in refused.value.message
+    admission.admit(NORMAL, [1], deadline=now + 100.0, now=now)
+    admission.admit(NORMAL, [0, 1], deadline=now + 100.0, now=now)
 
 
 def mixed(interval_s: float = 0.1) -> tuple[Admission, Batcher]:
