@@ -51,6 +51,15 @@ def test_decode_converts_every_block_of_a_long_window(sensor: SequenceModel, len
     assert sensor.decode(as_float32)[0] is as_float32  # already float32: checked, not copied
 
 
+def test_decode_checks_every_value_of_a_strided_array(sensor: SequenceModel) -> None:
+    window = np.zeros((600, 8), dtype=np.float32)
+    window[599, 7] = np.nan
+    with pytest.raises(VegaError) as caught:
+        sensor.decode(window[1::2])  # not contiguous; its last row holds the NaN
+    assert caught.value.code == "invalid_input"
+    assert sensor.decode(window[:598:2])[1] == 299
+
+
 def _windows() -> list[object]:
     """Windows, good and bad, of every kind a JSON body can hold."""
     rng = np.random.default_rng(7)
@@ -72,7 +81,7 @@ def test_decode_answers_as_the_general_path_does(sensor: SequenceModel,
                                                  instance: object) -> None:
     general = load_model("sensor")
     assert isinstance(general, SequenceModel)
-    general._packed = lambda _instance: None  # type: ignore[method-assign]
+    general._packed = lambda _instance: None  # type: ignore[method-assign, assignment]
 
     def outcome(model: SequenceModel) -> tuple[object, ...]:
         try:

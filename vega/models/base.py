@@ -234,9 +234,23 @@ def finite_float32(array: np.ndarray) -> np.ndarray:
 
 
 def all_finite(array: np.ndarray) -> bool:
-    """Whether a 2-D float32 ``array`` holds no NaN or Inf, summed in row blocks that numpy
-    keeps the GIL for: a float64 sum of float32 values is finite exactly when each is."""
-    return all(math.isfinite(array[rows].sum(dtype=np.float64)) for rows in _held_blocks(array))
+    """Whether a 2-D float32 ``array`` holds no NaN or Inf, summed in blocks that numpy
+    keeps the GIL for: a float64 sum of float32 values is finite exactly when each is.
+
+    The ufunc is called itself, in a plain loop: ``ndarray.sum``'s Python wrapper and a
+    generator cost more than the sums.
+    """
+    if not array.flags.c_contiguous:  # flattening would copy it
+        return all(math.isfinite(_sum(array[rows], axis=None, dtype=np.float64))
+                   for rows in _held_blocks(array))
+    flat = array.ravel()
+    for start in range(0, flat.size, HELD_ELEMENTS):
+        if not math.isfinite(_sum(flat[start:start + HELD_ELEMENTS], dtype=np.float64)):
+            return False
+    return True
+
+
+_sum = np.add.reduce
 
 
 def _held_blocks(array: np.ndarray) -> list[slice]:
