@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     generate_latest,
 )
 
 from vega.records import PRIORITY_NAMES, Batch
+from vega.tallies import Count, LoopCounter, LoopHistogram, Spread
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0)
@@ -23,36 +21,40 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self._answers: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
-        self.requests = Counter("vega_requests_total", "Requests answered, by outcome",
-                                ["model", "priority", "outcome"], registry=r)
-        self.rejections = Counter("vega_rejections_total", "Requests refused, by reason",
-                                  ["model", "priority", "reason"], registry=r)
+        self._answers: dict[tuple[str, str, str], tuple[Count, Count | None, Spread]] = {}
+        # Those counted once per request or batch are kept by the loop (vega/tallies.py).
+        self.requests = LoopCounter("vega_requests_total", "Requests answered, by outcome",
+                                    ["model", "priority", "outcome"], r)
+        self.rejections = LoopCounter("vega_rejections_total", "Requests refused, by reason",
+                                      ["model", "priority", "reason"], r)
+        self.request_seconds = LoopHistogram("vega_request_seconds",
+                                             "Time from arrival to answer", ["model"], r,
+                                             LATENCY_BUCKETS)
+        self.queue_wait = LoopHistogram("vega_queue_wait_seconds",
+                                        "Time an item waited to be batched", ["model"], r,
+                                        LATENCY_BUCKETS)
+        self.batch_size = LoopHistogram("vega_batch_size", "Items per batch", ["model"], r,
+                                        SIZE_BUCKETS)
+        self.padding = LoopHistogram("vega_batch_padding_ratio",
+                                     "Share of a batch tensor that is padding", ["model"], r,
+                                     RATIO_BUCKETS)
+        self.padded_steps = LoopCounter("vega_padded_steps_total",
+                                        "Timesteps of padding run through the model", ["model"],
+                                        r)
+        self.batch_steps = LoopCounter("vega_batch_steps_total",
+                                       "Timesteps run through the model, padding included",
+                                       ["model"], r)
+        self.inference = LoopHistogram("vega_inference_seconds", "Forward pass time per batch",
+                                       ["model"], r, LATENCY_BUCKETS)
+
         self.paced = Counter("vega_refusals_paced_total",
                              "Refusals held for their turn (VEGA_REFUSAL_RATE)", ["model"],
                              registry=r)
         self.queue_depth = Gauge("vega_queue_depth", "Items queued", ["model", "priority"],
                                  registry=r)
-        self.queue_wait = Histogram("vega_queue_wait_seconds", "Time an item waited to be batched",
-                                    ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("vega_batch_size", "Items per batch", ["model"],
-                                    buckets=SIZE_BUCKETS, registry=r)
-        self.padding = Histogram("vega_batch_padding_ratio",
-                                 "Share of a batch tensor that is padding",
-                                 ["model"], buckets=RATIO_BUCKETS, registry=r)
-        self.padded_steps = Counter("vega_padded_steps_total",
-                                    "Timesteps of padding run through the model", ["model"],
-                                    registry=r)
-        self.batch_steps = Counter("vega_batch_steps_total",
-                                   "Timesteps run through the model, padding included",
-                                   ["model"], registry=r)
         self.bucket_bound = Gauge("vega_length_bucket_upper_steps",
                                   "Upper length bound of each length bucket (after planning)",
                                   ["model", "bucket"], registry=r)
-        self.inference = Histogram("vega_inference_seconds", "Forward pass time per batch",
-                                   ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.request_seconds = Histogram("vega_request_seconds", "Time from arrival to answer",
-                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.inflight = Gauge("vega_inflight_batches", "Batches formed and not yet finished",
                               registry=r)
         self.service_rate = Gauge("vega_service_rate_items_per_second",
