@@ -4,6 +4,7 @@ DESIGN.md. Socket-level behaviour (a 413 before the body is read) is in test_hos
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -38,6 +39,11 @@ async def post(client: httpx.AsyncClient, body: object, path: str = "/v1/infer",
     return await client.post(path, content=content, headers=headers)
 
 
+def outputs_of(response: httpx.Response) -> Any:
+    assert response.status_code == 200, (response.status_code, response.text)
+    return response.json()["outputs"]
+
+
 def error_of(response: httpx.Response) -> str:
     body = response.json()
     assert set(body) == {"error"} and {"code", "message"} <= set(body["error"])
@@ -57,8 +63,8 @@ async def test_same_window_alone_or_batched_gives_the_same_answer(
         sensor: httpx.AsyncClient) -> None:
     rng = np.random.default_rng(1)
     windows = [rng.standard_normal((n, 8)).tolist() for n in (5, 40, 33)]
-    together = (await post(sensor, {"instances": windows})).json()["outputs"]
-    alone = [(await post(sensor, {"inputs": w})).json()["outputs"] for w in windows]
+    together = outputs_of(await post(sensor, {"instances": windows}))
+    alone = [outputs_of(await post(sensor, {"inputs": w})) for w in windows]
     np.testing.assert_allclose(together, alone, atol=1e-5)
 
 
