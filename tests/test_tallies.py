@@ -34,7 +34,8 @@ def test_a_counter_exposes_what_prometheus_client_s_does() -> None:
     assert 'vega_things_total{kind="x",model="a"} 4.0' in exposition(ours)
 
 
-@pytest.mark.parametrize("bounds", [LATENCY_BUCKETS, RATIO_BUCKETS, (1, 2, 4, 1024)])
+@pytest.mark.parametrize("bounds", [LATENCY_BUCKETS, RATIO_BUCKETS, (1, 2, 4, 1024),
+                                    (0.5, float("inf"))])
 def test_a_histogram_exposes_what_prometheus_client_s_does(bounds: tuple[float, ...]) -> None:
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     mine = LoopHistogram("vega_waits_seconds", "Waits", ["model"], ours, bounds)

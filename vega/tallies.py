@@ -11,6 +11,7 @@ them). Update these from the event loop's thread only: nothing here is locked.
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
@@ -114,7 +115,7 @@ class LoopHistogram(_Family[Spread]):
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
                  registry: CollectorRegistry, buckets: Sequence[float]) -> None:
-        self.bounds = tuple(float(b) for b in buckets)
+        self.bounds = tuple(float(b) for b in buckets if b != math.inf)  # +Inf is always last
         if list(self.bounds) != sorted(set(self.bounds)):
             raise ValueError(f"{name}: bucket bounds must be distinct and ascending")
         self._les = [floatToGoString(b)  # type: ignore[no-untyped-call]
