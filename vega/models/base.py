@@ -217,6 +217,7 @@ def _scripted(module: Any, name: str) -> Any:
 # release hands the GIL to the executor thread and back: a window's cast and check done
 # in one piece cost the loop up to a third of its CPU per request (docs/bench.md).
 HELD_ELEMENTS = 500
+_sum = np.add.reduce
 
 
 def finite_float32(array: np.ndarray) -> np.ndarray:
@@ -248,9 +249,6 @@ def all_finite(array: np.ndarray) -> bool:
         if not math.isfinite(_sum(flat[start:start + HELD_ELEMENTS], dtype=np.float64)):
             return False
     return True
-
-
-_sum = np.add.reduce
 
 
 def _held_blocks(array: np.ndarray) -> list[slice]:
