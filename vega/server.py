@@ -222,10 +222,10 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
         *jobs.routes(),
     ]
     app: ASGIApp = HotRoutes(Starlette(routes=routes, lifespan=lifespan), hot)
-    tokens = [token for token in settings.auth_tokens.split(",") if token]
-    if tokens:  # a layer that only passes requests on costs each one a coroutine
-        app = BearerAuthMiddleware(app, tokens=tokens, open_paths=[
-            p.strip() for p in settings.auth_open_paths.split(",")])
+    auth = BearerAuthMiddleware(app, tokens=settings.auth_tokens.split(","),
+                                open_paths=[p.strip() for p in settings.auth_open_paths.split(",")])
+    if auth.tokens:  # without any, the layer would only cost each request a coroutine
+        app = auth
     return RequestIdMiddleware(app), runtime
 
 
