@@ -12,11 +12,12 @@ import httpx
 import orjson
 import pytest
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.types import Message
 
 from tests.inproc import app_in_process, in_process
 from tests.models import echo, forwarded, window
-from vega.httpio import IndexedHeaders, scanned_priority
+from vega.httpio import HotRequest, IndexedHeaders, scanned_priority
 from vega.pressure.cache import ResponseCache
 from vega.records import PRIORITY_NAMES
 from vega.runtime import Runtime
@@ -194,6 +195,23 @@ def test_indexed_headers_answer_as_starlette_s_do(raw: list[tuple[bytes, bytes]]
                 indexed[name]
     assert indexed.getlist("prefer") == plain.getlist("prefer")
     assert indexed.items() == plain.items()
+
+
+def test_the_hot_request_reads_its_headers_from_the_index() -> None:
+    """``HotRequest.headers`` is the index built once, the same object on every read."""
+    scope = {"type": "http", "headers": [(b"x-vega-priority", b"critical")]}
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: Message) -> None:
+        del message
+
+    request = HotRequest(scope, receive, send)
+    assert isinstance(request.headers, IndexedHeaders)
+    assert request.headers is request.headers
+    assert request.headers.get("X-Vega-Priority") == "critical"
+    assert Request(scope).headers.get("x-vega-priority") == "critical"  # Starlette's own
 
 
 @pytest.fixture

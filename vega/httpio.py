@@ -78,13 +78,14 @@ class IndexedHeaders(Headers):
 class HotRequest(Request):
     """The request the inference routes read: its headers indexed once, up front."""
 
+    # A plain attribute where Starlette has a property: read about ten times a request,
+    # each read of a property is a Python call. (Set on the class so that it shadows the
+    # property, which would otherwise refuse the assignment.)
+    headers: IndexedHeaders = None  # type: ignore[assignment]
+
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         super().__init__(scope, receive, send)
-        self._indexed = IndexedHeaders(scope)
-
-    @property
-    def headers(self) -> Headers:
-        return self._indexed
+        self.headers = IndexedHeaders(scope)
 
 
 def error_response(error: VegaError) -> Response:

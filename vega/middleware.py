@@ -43,7 +43,11 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        raw = next((v for k, v in scope["headers"] if k == REQUEST_ID), None)
+        raw = None
+        for name, value in scope["headers"]:  # a plain loop: cheaper than a generator here
+            if name == REQUEST_ID:
+                raw = value
+                break
         request_id = clean_request_id(raw)
         scope["vega.request_id"] = request_id
 

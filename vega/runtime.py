@@ -406,16 +406,22 @@ async def _await_items(items: list[Item], deadline: float) -> Answer:
     timer = loop.call_at(deadline, _wake, waiter, None)
     try:
         await waiter
-        if any(item.future.cancelled() for item in items):
-            raise ClientGone()  # only a hung-up caller's items are cancelled (Item.live)
+        # Plain loops: a request holds one item or a few, and a generator for each of
+        # these would cost more than the checks.
+        for item in items:
+            if item.future.cancelled():
+                raise ClientGone()  # only a hung-up caller's items are cancelled (Item.live)
         for item in items:  # the first failure in request order is the answer
             if item.future.done() and item.future.exception():
                 raise _as_vega_error(item.future.exception())
         if not answered.done():
             raise VegaError("deadline_exceeded", "deadline passed before the answer was ready")
-        return Answer(outputs=[item.future.result() for item in items],
-                      queue_s=max(item.dispatched_at - item.enqueued_at for item in items),
-                      infer_s=max(item.infer_s for item in items))
+        outputs, queue_s, infer_s = [], 0.0, 0.0
+        for item in items:
+            outputs.append(item.future.result())
+            queue_s = max(queue_s, item.dispatched_at - item.enqueued_at)
+            infer_s = max(infer_s, item.infer_s)
+        return Answer(outputs=outputs, queue_s=queue_s, infer_s=infer_s)
     finally:
         timer.cancel()
         for item in items:  # whatever is left is nobody's answer any more

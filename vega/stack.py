@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import orjson
@@ -77,10 +77,13 @@ def cached(cache: ResponseCache | None, runtime: Runtime, inner: Handler) -> Han
 
 def idempotent(store: Idempotency, inner: Handler) -> Handler:
     """A repeat of an ``Idempotency-Key`` gets the first attempt's reply; the model runs once."""
-    async def once(call: Call) -> Reply:
+    def once(call: Call) -> Awaitable[Reply]:
         key = store.key_of(call.request.headers.get("idempotency-key"))
-        if key is None:
-            return await inner(call)
+        # Without a key the inner layer's own coroutine is the answer: no frame of this
+        # layer stays on every request's stack while it waits.
+        return inner(call) if key is None else first_or_replay(call, key)
+
+    async def first_or_replay(call: Call, key: str) -> Reply:
         deadline = asyncio.get_running_loop().time() + call.deadline_ms / 1000
         claim = await store.claim(call.model, key, call.fingerprint, deadline)
         if claim.replay is not None:
