@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,27 @@ def thread_seconds(pid: int) -> dict[str, tuple[float, float]]:
             continue  # the thread ended between the listing and the read
         threads[tid] = (int(ran) / 1e9, int(waited) / 1e9)
     return threads
+
+
+def machine_seconds() -> tuple[float, float, float]:
+    """The machine's CPU seconds so far, all CPUs together: (every kind, idle, stolen).
+
+    From the first line of /proc/stat. Stolen time is what the hypervisor gave other
+    guests while this one had work: a phase with much of it measured the host, not Vega.
+    """
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal (guest time is counted in user)
+    return sum(fields[:8]) / ticks, (fields[3] + fields[4]) / ticks, fields[7] / ticks
+
+
+def machine_shares(spent: Sequence[float]) -> dict[str, float]:
+    """Shares of the machine's CPU time left idle and stolen, from the differences of two
+    ``machine_seconds`` readings (or their sums over several intervals)."""
+    total, idle, stolen = spent
+    if total <= 0:
+        return {}
+    return {"idle": round(idle / total, 2), "stolen": round(stolen / total, 2)}
 
 
 def thread_split(pid: int, before: dict[str, tuple[float, float]],

@@ -35,7 +35,8 @@ differ by a third.
 Ratios come from one run; the load generator shares the machine's cores. Each phase also
 reports the CPU it took per answer and the cores it kept busy (``cores``): the loop (the
 server's main thread), the model (its process, or its thread) and the load generator;
-``model_busy`` is the share of the phase's time the model was running a batch. The sum
+``model_busy`` is the share of the phase's time the model was running a batch;
+``machine`` the shares of the VM's CPU time left idle and stolen by its host. The sum
 of the CPU per answer bounds what the machine's cores can serve
 (``cpu_bound_64_vs_ceiling``: that bound over the module's ceiling), so a ratio short of
 a target says whether the cores or the serving fell short. For the mixed-length pair,
@@ -68,6 +69,8 @@ from bench_core import (  # noqa: E402
     batch_seconds,
     ceiling,
     device,
+    machine_seconds,
+    machine_shares,
     serve,
     summary,
     thread_seconds,
@@ -112,9 +115,10 @@ PEERED = {"overflow_on_64", "overflow_off_64"}
 
 
 def load(port: int, connections: int, seconds: float, lengths: str, out: Path
-         ) -> tuple[dict[str, Any], float]:
-    """The load generator's report, and the cores it took while it ran (its start-up and
-    report writing left out: sampled from its second second to its last but one)."""
+         ) -> tuple[dict[str, Any], float, list[float]]:
+    """The load generator's report, the cores it took while it ran and the machine's CPU
+    seconds meanwhile (``machine_seconds`` differences), both sampled from its second
+    second to its last but one, its start-up and report writing left out."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "vega.lab.loadgen", f"http://127.0.0.1:{port}",
          "--mode", "closed", "--connections", str(connections),
@@ -125,7 +129,9 @@ def load(port: int, connections: int, seconds: float, lengths: str, out: Path
     try:
         time.sleep(2.0)
         started, cpu_before = time.monotonic(), process_seconds([proc.pid])
+        machine_before = machine_seconds()
         time.sleep(max(0.5, seconds - 3.0))
+        machine = [after - before for before, after in zip(machine_before, machine_seconds())]
         cores = (process_seconds([proc.pid]) - cpu_before) / (time.monotonic() - started)
         if proc.wait(timeout=seconds + 120) != 0:
             raise RuntimeError(f"the load generator exited with {proc.returncode}")
@@ -133,7 +139,7 @@ def load(port: int, connections: int, seconds: float, lengths: str, out: Path
         if proc.poll() is None:
             proc.kill()
     report: dict[str, Any] = json.loads((out / "report.json").read_text())
-    return report, cores
+    return report, cores, machine
 
 
 def process_seconds(pids: list[int]) -> float:
@@ -173,7 +179,7 @@ class Server:
         busy_before = batch_seconds(self.port)
         peer_before = self._peer_counters()
         threads_before, kids_before = thread_seconds(self.proc.pid), process_seconds(self.kids)
-        report, loadgen_cores = load(self.port, connections, seconds, lengths, out)
+        report, loadgen_cores, machine_s = load(self.port, connections, seconds, lengths, out)
         threads_after, kids_after = thread_seconds(self.proc.pid), process_seconds(self.kids)
         busy_after = batch_seconds(self.port)
         peer_after = self._peer_counters()
@@ -181,6 +187,7 @@ class Server:
             "busy_s": busy_after[0] - busy_before[0], "batches": busy_after[1] - busy_before[1],
             "threads": (threads_before, threads_after), "kids_s": kids_after - kids_before,
             "loadgen_s": loadgen_cores * seconds,
+            "machine_s": machine_s,
             "peer": [after - before for before, after in zip(peer_before, peer_after)]}))
 
     def _peer_counters(self) -> tuple[float, float]:
@@ -242,6 +249,9 @@ class Server:
             phase["cores"] = {"loop": round(loop_s / seconds, 2),
                               "model": round(model_s / seconds, 2),
                               "loadgen": round(loadgen_s / seconds, 2)}
+        # Whether the cores were the bound (idle near 0) and whether the host took some.
+        phase["machine"] = machine_shares([sum(c["machine_s"][i] for c in counters)
+                                           for i in range(3)])
         return phase
 
 
@@ -290,6 +300,7 @@ def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out
 
 
 PEER_OFFSET = 500  # a peer's port: its server's plus this
+STOLEN_WARNING = 0.05  # a phase's share of stolen CPU time worth a line in the output
 
 # Phases compared with the module alone measured beside each of their slices (run_pair).
 BESIDE = {"fixed_default_64"}
@@ -496,6 +507,10 @@ def run_rounds(rounds: int, seconds: float, chosen: set[str], out: Path,
                 names = [name]
             for done in names:
                 print(f"round {number} {done}: {json.dumps(round_[done])}", flush=True)
+                stolen = round_[done].get("machine", {}).get("stolen", 0.0)
+                if stolen >= STOLEN_WARNING:
+                    print(f"round {number} {done}: the host took {stolen:.0%} of this VM's "
+                          "CPU time meanwhile; its figures measured the host", flush=True)
         mixed = ("mixed_buckets_64", "mixed_one_bucket_64")
         if all(name in round_ for name in mixed):
             round_["simulated_ok_rate"] = simulated(number, mixed, seconds, out)

@@ -66,7 +66,7 @@ def run(n: int, seconds: float, connections: int, lengths: str, out: Path) -> di
                 ports))
     finally:
         stop(procs)
-    each = [summary(report, seconds) for report, _cores in runs]
+    each = [summary(report, seconds) for report, _cores, _machine in runs]
     return {"procs": n, "ok_rate": round(sum(s["ok_rate"] for s in each), 1),
             "each": [{k: s[k] for k in ("ok_rate", "p99_ms", "mean_batch", "by_status")}
                      for s in each]}
