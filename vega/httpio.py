@@ -33,9 +33,11 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
 
 class Sent:
     """A reply as its two ASGI messages, with the headers a Starlette Response would
-    give it, but none of its machinery: this is the hot path's one answer."""
+    give it, but none of its machinery: this is the hot path's one answer, sent by
+    ``vega.server.HotRoutes`` message by message (an ASGI app's call would be one more
+    coroutine a request)."""
 
-    __slots__ = ("status", "headers", "body")
+    __slots__ = ("start", "body")
 
     def __init__(self, reply: Reply) -> None:
         headers = [(b"content-length", str(len(reply.body)).encode())]
@@ -43,12 +45,13 @@ class Sent:
             headers.append((b"content-type", reply.media_type.encode("latin-1")))
         headers += [(key.lower().encode("latin-1"), value.encode("latin-1"))
                     for key, value in reply.headers.items()]
-        self.status, self.headers, self.body = reply.status, headers, reply.body
+        self.start = {"type": "http.response.start", "status": reply.status, "headers": headers}
+        self.body = {"type": "http.response.body", "body": reply.body}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status,
-                    "headers": self.headers})
-        await send({"type": "http.response.body", "body": self.body})
+        """As an ASGI app: the endpoint's contract on the Starlette routes it is also on."""
+        await send(self.start)
+        await send(self.body)
 
 
 class IndexedHeaders(Headers):

@@ -28,6 +28,7 @@ from vega.config import Settings
 from vega.errors import VegaError
 from vega.httpio import (
     HotRequest,
+    Sent,
     error_response,
     json_response,
     parse_deadline_ms,
@@ -241,7 +242,7 @@ class HotRoutes:
     """
 
     def __init__(self, app: ASGIApp,
-                 routes: Sequence[tuple[Route, Callable[[Request], Awaitable[ASGIApp]]]]) -> None:
+                 routes: Sequence[tuple[Route, Callable[[Request], Awaitable[Sent]]]]) -> None:
         self.app = app
         self.routes = routes
 
@@ -251,7 +252,8 @@ class HotRoutes:
                 match, child_scope = route.matches(scope)
                 if match is Match.FULL:
                     scope.update(child_scope)
-                    response = await handler(HotRequest(scope, receive, send))
-                    await response(scope, receive, send)
+                    sent = await handler(HotRequest(scope, receive, send))
+                    await send(sent.start)
+                    await send(sent.body)
                     return
         await self.app(scope, receive, send)

@@ -129,7 +129,9 @@ class Guard:
     async def __call__(self, request: Request) -> Sent:
         started = asyncio.get_running_loop().time()
         reply, model, priority = await self.reply(request)  # the body goes with its frame
-        await self.conclude(model, priority, reply.outcome, started)
+        hold = counted(self.runtime, model, priority, reply.outcome, started)
+        if hold > 0:
+            await asyncio.sleep(hold)
         return Sent(reply)
 
     async def reply(self, request: Request) -> tuple[Reply, str, int]:
@@ -184,9 +186,6 @@ class Guard:
                         error.code, error.message)
         return self.dialect.refusal(error)
 
-    async def conclude(self, model: str, priority: int, outcome: str, started: float) -> None:
-        await conclude(self.runtime, model, priority, outcome, started)
-
 
 async def conclude(runtime: Runtime, model: str, priority: int, outcome: str,
                    started: float) -> None:
@@ -197,13 +196,21 @@ async def conclude(runtime: Runtime, model: str, priority: int, outcome: str,
     refusal keeps nothing of its request alive (under a flood hundreds are held at
     once, and their parsed bodies would be rescanned by every garbage collection).
     """
-    loop = asyncio.get_running_loop()
+    hold = counted(runtime, model, priority, outcome, started)
+    if hold > 0:
+        await asyncio.sleep(hold)
+
+
+def counted(runtime: Runtime, model: str, priority: int, outcome: str,
+            started: float) -> float:
+    """``conclude`` without the wait: count the answer, return how long to hold it
+    (0 for all but a refusal past VEGA_REFUSAL_RATE). The hot path awaits only then."""
     metrics = runtime.metrics
     model = model if model in runtime.models else "_unknown"
-    now = loop.time()
+    now = asyncio.get_running_loop().time()
     metrics.answered(model, PRIORITY_NAMES[priority], outcome, outcome in REFUSALS,
                      now - started if outcome == "ok" else None)
     hold = runtime.pacer.hold(outcome, now)
     if hold > 0:
         metrics.paced.labels(model).inc()
-        await asyncio.sleep(hold)
+    return hold
