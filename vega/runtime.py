@@ -406,9 +406,7 @@ async def _await_items(items: list[Item], deadline: float) -> Answer:
     timer = loop.call_at(deadline, _wake, waiter, None)
     try:
         await waiter
-        # Plain loops: a request holds one item or a few, and a generator for each of
-        # these would cost more than the checks.
-        for item in items:
+        for item in items:  # plain loops: a generator over a request's few items costs more
             if item.future.cancelled():
                 raise ClientGone()  # only a hung-up caller's items are cancelled (Item.live)
         for item in items:  # the first failure in request order is the answer
