@@ -12,7 +12,11 @@ runs on a fresh server, and each round takes them in turn:
 3. the same at the default executor (a model process for an eager module), paired with
    1024 connections that honour Retry-After, the module alone measured after each
    64-connection slice (``default_64_vs_module_beside``: each slice against the module
-   a few seconds later, where the round's ceiling is minutes away from most slices);
+   a few seconds later, where the round's ceiling is minutes away from most slices),
+   also at the slice's mean batch size, which splits that ratio in two:
+   ``default_64_vs_module_at_served_batch`` (what serving costs over the module running
+   the same batches) and ``served_batch_vs_best_batch`` (what the batches that 64
+   callers leave allow, against the module's best);
 4. 64 connections, lengths uniform in 16..256, default length buckets (cut from the
    measured costs), paired with the same on one bucket (VEGA_LENGTH_BUCKETS=512);
 5. the same lengths with the configured bounds as given (VEGA_BUCKET_PADDING=0), and
@@ -278,9 +282,10 @@ def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out
     moves both alike, where phases run one after the other can differ by a third.
 
     A phase whose target is against the module alone (BESIDE) also has the module alone
-    measured right after each of its slices, both servers idle: ``module_alone_beside``."""
+    measured right after each of its slices, both servers idle: ``module_alone_beside``
+    at its best batch, ``module_at_served_batch_beside`` at the slice's mean batch."""
     servers: list[Server] = []
-    beside: list[float] = []
+    beside: list[tuple[float, float]] = []
     try:
         for port, name in zip(ports, names):
             servers.append(Server(port, SPECS[name][0],
@@ -289,13 +294,15 @@ def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out
             _env, connections, lengths = SPECS[names[which]]
             servers[which].load(connections, lengths, seconds / 2, out / f"{which}-{number}")
             if which == 0 and names[0] in BESIDE:
-                beside.append(module_alone())
+                served = _batch_mean([servers[0].slices[-1][0]])
+                beside.append(module_alone(round(served) if served else 32))
     finally:
         for server in servers:
             server.stop()
     first = servers[0].phase()
     if beside:
-        first["module_alone_beside"] = [round(rate, 1) for rate in beside]
+        first["module_alone_beside"] = [round(best, 1) for best, _ in beside]
+        first["module_at_served_batch_beside"] = [round(at, 1) for _, at in beside]
     return first, servers[1].phase()
 
 
@@ -306,9 +313,11 @@ STOLEN_WARNING = 0.05  # a phase's share of stolen CPU time worth a line in the 
 BESIDE = {"fixed_default_64"}
 
 
-def module_alone() -> float:
-    """The module alone at 64 steps, items/s at its best batch: a second each at 32 and 64."""
-    return max(ceiling(64, (32, 64), per_size_s=1.0, spec=MODEL).values())
+def module_alone(served_batch: int) -> tuple[float, float]:
+    """The module alone at 64 steps, items/s at its best batch (a second each at 32 and
+    64) and at ``served_batch``."""
+    rates = ceiling(64, tuple(sorted({32, 64, served_batch})), per_size_s=1.0, spec=MODEL)
+    return max(rates[32], rates[64]), rates[served_batch]
 
 
 PROFILE_BOUNDS = "16,32,64,96,128,192,256,512"  # lengths the simulator interpolates between
@@ -410,16 +419,17 @@ def ratios(round_: dict[str, Any]) -> dict[str, float]:
     if "fixed_default_64" in round_:
         found["cpu_bound_64_vs_ceiling"] = (cpu_bound(round_["fixed_default_64"])
                                             / rate("ceiling_items_per_s"))
-        beside = beside_ratios(round_["fixed_default_64"])
-        if beside:
-            found["default_64_vs_module_beside"] = statistics.fmean(beside)
+        phase = round_["fixed_default_64"]
+        for key, top, bottom in (
+                ("default_64_vs_module_beside", "slices_ok_rate", "module_alone_beside"),
+                ("default_64_vs_module_at_served_batch", "slices_ok_rate",
+                 "module_at_served_batch_beside"),
+                ("served_batch_vs_best_batch", "module_at_served_batch_beside",
+                 "module_alone_beside")):
+            pairs = list(zip(phase.get(top, []), phase.get(bottom, [])))
+            if pairs:  # each slice against the module alone measured right after it
+                found[key] = statistics.fmean(a / b for a, b in pairs)
     return found
-
-
-def beside_ratios(phase: dict[str, Any]) -> list[float]:
-    """Each slice's 200s a second over the module alone measured right after it."""
-    return [served / alone for served, alone in
-            zip(phase.get("slices_ok_rate", []), phase.get("module_alone_beside", []))]
 
 
 def cpu_bound(phase: dict[str, Any]) -> float:
