@@ -175,6 +175,36 @@ async def test_the_loop_drives_the_model_process_with_no_thread_of_its_own(
         executor.shutdown()
 
 
+async def test_a_loop_that_comes_late_takes_every_answer_waiting_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a turn of the loop outlasts the batches in the child (a flood of cheap
+    requests), one wake-up takes all their answers: one a wake-up would feed the child a
+    batch a turn, its windows ageing in the queue while it idles."""
+    monkeypatch.setenv("TEST_SLEEP_MS", "50")
+    executor, model = await echo_executor()
+    try:
+        handle = executor.processes[0]
+        wakeups: list[int] = []
+        readable = handle._readable
+
+        def counted(life: object) -> None:
+            wakeups.append(executor.busy)
+            readable(life)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(handle, "_readable", counted)  # before the pipe is watched
+        first, second = echo_batch(model, 0.5, size=2), echo_batch(model, 0.25)
+        running = asyncio.gather(executor.run(first), executor.run(second))
+        while executor.busy < 2:
+            await asyncio.sleep(0.001)
+        time.sleep(0.4)  # the loop elsewhere while the child answers both (50 ms each)
+        await running
+        assert wakeups == [2]  # both answers at the one wake-up
+        assert [item.future.result()[2] for item in first.items] == [2.0, 2.0]
+        assert second.items[0].future.result()[0] == pytest.approx(15.75)
+    finally:
+        executor.shutdown()
+
+
 async def test_a_killed_model_process_fails_both_batches_it_held_and_comes_back(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_HANG_MS", "5000")

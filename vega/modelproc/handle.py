@@ -219,19 +219,29 @@ class ModelProcess:
             f"gave no answer within {self.plan.timeout_s:g} s")
 
     def _readable(self, life: _Life) -> None:
+        # Every answer the child has written, not one: a turn of the loop under a flood of
+        # cheap requests outlasts several batches, and an answer a turn would feed the
+        # child a batch a turn (docs/executor.md).
+        while self._answer(life):
+            reader = life.reader
+            if reader is None or not life.in_child or not reader.poll(0):
+                return
+
+    def _answer(self, life: _Life) -> bool:
+        """Read one answer and hand it over; False once this life is lost."""
         reader = life.reader
         if reader is None:
-            return  # lost within this turn of the loop
+            return False  # lost within this turn of the loop
         if self._closed or not life.in_child:
             self._lost(life, "exited")  # EOF: it wrote nothing unasked
-            return
+            return False
         try:
             reply = orjson.loads(reader.recv_bytes())
             # The child writes an inline payload right after its header.
             payload = reader.recv_bytes() if reply.get("inline") else None
         except (EOFError, OSError) as gone:
             self._lost(life, f"died during a batch ({type(gone).__name__})")
-            return
+            return False
         now = time.perf_counter()
         sent = life.in_child.popleft()
         started = max(sent.sent_at, life.answered_at)  # it waited behind the one before
@@ -261,6 +271,7 @@ class ModelProcess:
         if not isinstance(ended_at, (int, float)):
             ended_at = time.monotonic()
         sent.answered(outputs, float(held_s), float(ended_at), error)
+        return True
 
     def _lost(self, life: _Life, why: str) -> None:
         """This life of the child is over for the loop: fail what it held, stop reading."""
