@@ -66,6 +66,11 @@ class Metrics:
         self.redis_up = Gauge("vega_redis_up", "1 while Redis answers, 0 when it does not",
                               registry=r)
         self.ready = Gauge("vega_ready", "1 once warm and not draining", registry=r)
+        self.loop_lag = Gauge("vega_loop_lag_seconds", "How late the event loop last ran a "
+                              "timer (vega/pressure/looplag.py)", registry=r)
+        self.loop_refused_share = Gauge(
+            "vega_loop_refused_share", "Share of non-critical requests refused while the "
+            "event loop runs late", registry=r)
         self.model_processes_up = Gauge(
             "vega_model_processes_up", "Model processes up and warm (VEGA_EXECUTOR=process)",
             registry=r)

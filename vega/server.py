@@ -42,6 +42,7 @@ from vega.models import ModelAdapter
 from vega.oip.routes import OipApi
 from vega.pressure.cache import ResponseCache, models_to_cache
 from vega.pressure.idempotency import Idempotency, fingerprint
+from vega.pressure.looplag import LoopLag
 from vega.runtime import Answer, Runtime
 from vega.stack import Guard, cached, core, idempotent
 
@@ -116,9 +117,10 @@ class V1:
 class Api:
     """The /v1 routes besides inference: health, readiness, models, status, metrics."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, lag: LoopLag) -> None:
         self.runtime = runtime
         self.settings = runtime.settings
+        self.lag = lag
 
     async def healthz(self, request: Request) -> Response:
         return json_response({"status": "ok"})
@@ -135,10 +137,12 @@ class Api:
                                          for s in self.runtime.models.values()]})
 
     async def status(self, request: Request) -> Response:
-        return json_response(self.runtime.status())
+        return json_response({**self.runtime.status(), "loop": self.lag.status()})
 
     async def metrics(self, request: Request) -> Response:
         self.runtime.refresh_metrics()
+        self.runtime.metrics.loop_lag.set(self.lag.lag_s)
+        self.runtime.metrics.loop_refused_share.set(self.lag.share)
         return Response(self.runtime.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -191,7 +195,8 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
                runtime: Runtime | None = None) -> tuple[ASGIApp, Runtime]:
     """The ASGI app and the runtime it serves; the app's lifespan starts (warm-up) and stops it."""
     runtime = runtime or Runtime(settings, adapters)
-    api = Api(runtime)
+    lag = LoopLag(settings.default_deadline_ms / 1000)  # one loop, every route
+    api = Api(runtime, lag)
     relief = Relief(runtime)
     stack = relief.around(runtime)  # one stack, every protocol
 
@@ -206,9 +211,10 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
 
     jobs = JobsApi(runtime, parse_infer_body)  # the async lane (vega/jobs/)
     v1 = Guard(runtime, V1(runtime), stack, [relief.check_headers], later=jobs,
-               refuse_early=relief.refuse_early)
+               refuse_early=relief.refuse_early, lag=lag)
     oip = OipApi(runtime)
-    v2 = Guard(runtime, oip, stack, [relief.check_headers], refuse_early=relief.refuse_early)
+    v2 = Guard(runtime, oip, stack, [relief.check_headers], refuse_early=relief.refuse_early,
+               lag=lag)
     hot = [(Route("/v1/infer", v1, methods=["POST"]), v1),
            (Route("/v1/models/{name}/infer", v1, methods=["POST"]), v1),
            *((route, v2) for route in oip.infer_routes(v2))]

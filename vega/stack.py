@@ -22,6 +22,7 @@ from vega.errors import REFUSALS, VegaError
 from vega.httpio import Sent, hung_up, read_body
 from vega.pressure.cache import ResponseCache, cache_key
 from vega.pressure.idempotency import Idempotency
+from vega.pressure.looplag import LoopLag
 from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
 from vega.runtime import ClientGone, Runtime
 
@@ -117,7 +118,8 @@ class Guard:
     def __init__(self, runtime: Runtime, dialect: Dialect, handler: Handler,
                  checks: Sequence[Callable[[Request], object]] = (),
                  later: Later | None = None,
-                 refuse_early: Callable[[Request, str], bool] = lambda _r, _m: True) -> None:
+                 refuse_early: Callable[[Request, str], bool] = lambda _r, _m: True,
+                 lag: LoopLag | None = None) -> None:
         self.runtime = runtime
         self.dialect = dialect
         self.handler = handler
@@ -125,6 +127,8 @@ class Guard:
         self.later = later
         self.refuse_early = refuse_early  # (request, model): may load refuse it unparsed?
         self.max_body_bytes = runtime.settings.max_body_bytes
+        # Shared by every route's guard: one event loop (vega/pressure/looplag.py).
+        self.lag = lag or LoopLag(runtime.settings.default_deadline_ms / 1000)
 
     async def __call__(self, request: Request) -> Sent:
         started = asyncio.get_running_loop().time()
@@ -139,6 +143,8 @@ class Guard:
         model, priority = "", NORMAL
         later = self.later if self.later is not None and self.later.wants(request) else None
         kept: bytes | None = None  # the body, only for a refusal that may become a job
+        lag = self.lag
+        lag.touch()
         try:
             model = self.dialect.model(request)
             early = self.refuse_early(request, model)
@@ -153,15 +159,21 @@ class Guard:
             body = await read_body(request, self.max_body_bytes)
             kept = body if later is not None else None
             # Then before parsing it, for the class its text names (the header's if it
-            # names none): the parse was a third of what a refusal cost the loop.
-            scanned = self.dialect.claimed(request, body) if early else None
+            # names none): the parse was a third of what a refusal cost the loop. A loop
+            # running late refuses even what a cached answer or a replay could answer.
+            late = lag.share > 0
+            scanned = self.dialect.claimed(request, body) if early or late else None
             if scanned is not None:
                 priority = scanned
-                self.runtime.gate(model, scanned)
+                lag.check(scanned)
+                if early:
+                    self.runtime.gate(model, scanned)
             call = self.dialect.parse(request, model, body,
                                       keyed="idempotency-key" in request.headers)
             del body
             priority = call.priority
+            if late and scanned is None:  # the class only the parse could tell
+                lag.check(priority)
             reply = await self.handler(call)
         except VegaError as error:
             reply = self.refusal(request, error)

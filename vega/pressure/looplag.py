@@ -1,0 +1,92 @@
+"""Loop lag: refusing for the event loop's own queue, which admission cannot see.
+
+Admission reads the model's queue. Work the loop answers without the model (cached
+answers, idempotent replays) never enters it, so a flood of such work is refused by
+nothing there: every connection keeps a request in the loop, a turn of the loop lasts as
+long as all of them, and past some number of callers every answer comes after its
+caller's deadline (docs/pressure.md has the figures). The loop's lag, how late a timer
+fires, is that turn. A request waits two or three turns (read, answered, written), and
+the model and a margin need the rest of its deadline, so while a turn runs past an
+eighth of the default deadline a growing share of non-critical requests is refused
+before its body is parsed, cached or not. The share falls back as the loop keeps time
+again; callers honouring Retry-After thin the flood to what the loop turns in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from vega.errors import VegaError
+from vega.records import CRITICAL, SHEDDABLE
+
+PROBE_S = 0.005  # a probe falls due this long after it is armed
+RATE = 1.0  # the refused share's change per second of late (or prompt) loop: 0 to all in 1 s
+MIN_RETRY_MS = 50.0
+
+
+class LoopLag:
+    """A probe timer's lateness, armed while requests arrive, and the share of
+    non-critical requests refused for it."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.limit_s = deadline_s / 8
+        self.lag_s = 0.0  # the last probe's lateness
+        self.share = 0.0  # of non-critical requests refused
+        self.refused = 0
+        self._credit = 0.0  # refusals owed: the share, spread evenly over requests
+        self._due: float | None = None  # the armed probe's due time
+        self._armed_at = 0.0
+        self._touched = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def touch(self) -> None:
+        """A request arrived: keep a probe armed (re-armed as it fires while they come)."""
+        self._touched = True
+        if self._due is None:
+            self._arm()
+
+    def _arm(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        self._touched = False
+        self._armed_at = self._loop.time()
+        self._due = self._armed_at + PROBE_S
+        self._loop.call_at(self._due, self._fired)
+
+    def _fired(self) -> None:
+        assert self._loop is not None and self._due is not None
+        now = self._loop.time()
+        self.lag_s = max(0.0, now - self._due)
+        # By the time it took: a probe fires once a turn, and a long turn is the emergency.
+        step = RATE * min(1.0, now - self._armed_at)
+        self.share = min(1.0, max(0.0, self.share + (
+            step if self.lag_s > self.limit_s else -step)))
+        self._due = None
+        if not self.share:
+            self._credit = 0.0
+        if self._touched or self.share:  # after a flood, until the share is back to 0
+            self._arm()
+
+    @property
+    def armed(self) -> bool:
+        """A probe is due (none while no request comes and nothing is refused)."""
+        return self._due is not None
+
+    def check(self, priority: int) -> None:
+        """Refuse this non-critical request if it is one of the share owed."""
+        if not self.share or priority == CRITICAL:
+            return
+        self._credit += self.share
+        if self._credit < 1.0:
+            return
+        self._credit -= 1.0
+        self.refused += 1
+        code = "shed" if priority == SHEDDABLE else "queue_full"
+        lag_ms = 1000 * self.lag_s
+        raise VegaError(code, f"the server's event loop runs {lag_ms:.0f} ms late",
+                        retry_after_ms=max(MIN_RETRY_MS, lag_ms))
+
+    def status(self) -> dict[str, Any]:
+        return {"lag_ms": round(1000 * self.lag_s, 1), "refused_share": round(self.share, 2),
+                "refused": self.refused}
