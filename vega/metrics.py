@@ -71,6 +71,9 @@ class Metrics:
         self.loop_refused_share = Gauge(
             "vega_loop_refused_share", "Share of non-critical requests refused while the "
             "event loop runs late", registry=r)
+        self.loop_refused = Counter(
+            "vega_loop_refused_total", "Non-critical requests refused while the event loop "
+            "ran late (also in vega_rejections_total as queue_full or shed)", registry=r)
         self.model_processes_up = Gauge(
             "vega_model_processes_up", "Model processes up and warm (VEGA_EXECUTOR=process)",
             registry=r)

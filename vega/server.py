@@ -121,6 +121,7 @@ class Api:
         self.runtime = runtime
         self.settings = runtime.settings
         self.lag = lag
+        self._loop_refused_counted = 0  # the counter is fed the change since the last scrape
 
     async def healthz(self, request: Request) -> Response:
         return json_response({"status": "ok"})
@@ -143,6 +144,8 @@ class Api:
         self.runtime.refresh_metrics()
         self.runtime.metrics.loop_lag.set(self.lag.lag_s)
         self.runtime.metrics.loop_refused_share.set(self.lag.share)
+        self.runtime.metrics.loop_refused.inc(self.lag.refused - self._loop_refused_counted)
+        self._loop_refused_counted = self.lag.refused
         return Response(self.runtime.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -210,11 +213,11 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
             await relief.close()
 
     jobs = JobsApi(runtime, parse_infer_body)  # the async lane (vega/jobs/)
-    v1 = Guard(runtime, V1(runtime), stack, [relief.check_headers], later=jobs,
-               refuse_early=relief.refuse_early, lag=lag)
+    v1 = Guard(runtime, V1(runtime), stack, lag, [relief.check_headers], later=jobs,
+               refuse_early=relief.refuse_early)
     oip = OipApi(runtime)
-    v2 = Guard(runtime, oip, stack, [relief.check_headers], refuse_early=relief.refuse_early,
-               lag=lag)
+    v2 = Guard(runtime, oip, stack, lag, [relief.check_headers],
+               refuse_early=relief.refuse_early)
     hot = [(Route("/v1/infer", v1, methods=["POST"]), v1),
            (Route("/v1/models/{name}/infer", v1, methods=["POST"]), v1),
            *((route, v2) for route in oip.infer_routes(v2))]

@@ -22,7 +22,7 @@ from vega.errors import REFUSALS, VegaError
 from vega.httpio import Sent, hung_up, read_body
 from vega.pressure.cache import ResponseCache, cache_key
 from vega.pressure.idempotency import Idempotency
-from vega.pressure.looplag import LoopLag
+from vega.pressure.looplag import LoopLag, LoopLate
 from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
 from vega.runtime import ClientGone, Runtime
 
@@ -115,11 +115,10 @@ class Later(Protocol):
 class Guard:
     """One protocol's inference endpoint over the shared stack."""
 
-    def __init__(self, runtime: Runtime, dialect: Dialect, handler: Handler,
+    def __init__(self, runtime: Runtime, dialect: Dialect, handler: Handler, lag: LoopLag,
                  checks: Sequence[Callable[[Request], object]] = (),
                  later: Later | None = None,
-                 refuse_early: Callable[[Request, str], bool] = lambda _r, _m: True,
-                 lag: LoopLag | None = None) -> None:
+                 refuse_early: Callable[[Request, str], bool] = lambda _r, _m: True) -> None:
         self.runtime = runtime
         self.dialect = dialect
         self.handler = handler
@@ -127,8 +126,7 @@ class Guard:
         self.later = later
         self.refuse_early = refuse_early  # (request, model): may load refuse it unparsed?
         self.max_body_bytes = runtime.settings.max_body_bytes
-        # Shared by every route's guard: one event loop (vega/pressure/looplag.py).
-        self.lag = lag or LoopLag(runtime.settings.default_deadline_ms / 1000)
+        self.lag = lag  # shared by every route's guard: one event loop
 
     async def __call__(self, request: Request) -> Sent:
         started = asyncio.get_running_loop().time()
@@ -175,6 +173,8 @@ class Guard:
             if late and scanned is None:  # the class only the parse could tell
                 lag.check(priority)
             reply = await self.handler(call)
+        except LoopLate as error:  # a job would be more work for the loop, not less
+            return self.refusal(request, error), model, priority
         except VegaError as error:
             reply = self.refusal(request, error)
         except (ClientGone, ClientDisconnect):

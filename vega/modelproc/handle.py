@@ -222,7 +222,9 @@ class ModelProcess:
         # Every answer the child has written, not one: a turn of the loop under a flood of
         # cheap requests outlasts several batches, and an answer a turn would feed the
         # child a batch a turn (docs/executor.md).
-        while self._answer(life):
+        for _ in range(max(1, len(life.in_child))):  # what it held when the loop came
+            if not self._answer(life):
+                return
             reader = life.reader
             if reader is None or not life.in_child or not reader.poll(0):
                 return

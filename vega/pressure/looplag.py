@@ -7,9 +7,11 @@ long as all of them, and past some number of callers every answer comes after it
 caller's deadline (docs/pressure.md has the figures). The loop's lag, how late a timer
 fires, is that turn. A request waits two or three turns (read, answered, written), and
 the model and a margin need the rest of its deadline, so while a turn runs past an
-eighth of the default deadline a growing share of non-critical requests is refused
-before its body is parsed, cached or not. The share falls back as the loop keeps time
-again; callers honouring Retry-After thin the flood to what the loop turns in time.
+eighth of the default deadline a growing share of non-critical requests is refused,
+cached or not, before its body is parsed where its class can be read without parsing
+(vega.httpio.scanned_priority), and never turned into a job (more work for the loop).
+The share falls back as the loop keeps time again; callers honouring Retry-After thin
+the flood to what the loop turns in time.
 """
 
 from __future__ import annotations
@@ -20,9 +22,17 @@ from typing import Any
 from vega.errors import VegaError
 from vega.records import CRITICAL, SHEDDABLE
 
-PROBE_S = 0.005  # a probe falls due this long after it is armed
-RATE = 1.0  # the refused share's change per second of late (or prompt) loop: 0 to all in 1 s
-MIN_RETRY_MS = 50.0
+# A probe falls due this long after it is armed: short next to the limit it is compared
+# with, long enough that a loop keeping time runs a few hundred a second at most.
+PROBE_S = 0.005
+# The refused share's change per second the loop runs late (or in time): 0 to all in about
+# the Retry-After a refused caller waits, so the flood thins before the callers come back.
+RATE_PER_S = 1.0
+MIN_RETRY_MS = 50.0  # as admission's: Retry-After itself is whole seconds, at least 1
+
+
+class LoopLate(VegaError):
+    """A refusal for the loop's lag: the Guard answers it and turns none into a job."""
 
 
 class LoopLag:
@@ -59,7 +69,7 @@ class LoopLag:
         now = self._loop.time()
         self.lag_s = max(0.0, now - self._due)
         # By the time it took: a probe fires once a turn, and a long turn is the emergency.
-        step = RATE * min(1.0, now - self._armed_at)
+        step = RATE_PER_S * min(1.0, now - self._armed_at)
         self.share = min(1.0, max(0.0, self.share + (
             step if self.lag_s > self.limit_s else -step)))
         self._due = None
@@ -84,8 +94,8 @@ class LoopLag:
         self.refused += 1
         code = "shed" if priority == SHEDDABLE else "queue_full"
         lag_ms = 1000 * self.lag_s
-        raise VegaError(code, f"the server's event loop runs {lag_ms:.0f} ms late",
-                        retry_after_ms=max(MIN_RETRY_MS, lag_ms))
+        raise LoopLate(code, f"the server's event loop runs {lag_ms:.0f} ms late",
+                       retry_after_ms=max(MIN_RETRY_MS, lag_ms))
 
     def status(self) -> dict[str, Any]:
         return {"lag_ms": round(1000 * self.lag_s, 1), "refused_share": round(self.share, 2),
