@@ -41,8 +41,10 @@ async def test_a_late_loop_refuses_a_growing_share_of_non_critical_requests() ->
     lag = LoopLag(deadline_s=0.8)  # turns past 100 ms are late
     await held_turns(lag, 3, held_s=0.02)
     assert lag.share == 0.0 and not refusals(lag, NORMAL, 50)  # 20-ms turns are in time
+    await held_turns(lag, 1, held_s=0.15)
+    assert lag.lag_s > 0.1 and lag.share == 0.0  # one late turn is a hiccup, not a flood
     await held_turns(lag, 2, held_s=0.15)
-    assert lag.lag_s > 0.1 and 0.2 < lag.share < 0.5  # ~0.15 for each late turn
+    assert 0.2 < lag.share < 0.5  # ~0.15 for each late turn after the first
     refused = refusals(lag, NORMAL, 100)
     assert abs(len(refused) - round(100 * lag.share)) <= 1
     gaps = {b - a for (a, _), (b, _) in zip(refused, refused[1:])}
@@ -78,11 +80,7 @@ async def test_a_late_loop_refuses_even_cached_answers_but_never_critical() -> N
     async with in_process(ECHO) as (client, runtime):
         first = await client.post("/v1/infer", json=body)
         assert first.status_code == 200 and first.headers["x-vega-cache"] == "miss"
-        for _ in range(8):  # turns held 200 ms while requests come: past the 125-ms limit
-            for _ in range(2):
-                assert (await client.post("/v1/infer", json=body)).status_code == 200
-            time.sleep(0.2)
-            await asyncio.sleep(0.01)
+        await held_turns(runtime.lag, 8, held_s=0.2)  # past the 125-ms limit, turn on turn
         normal = [await client.post("/v1/infer", json={**body, "priority": "normal"})
                   for _ in range(10)]
         sheddable = await client.post("/v1/infer", json={**body, "priority": "sheddable"})

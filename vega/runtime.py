@@ -1,8 +1,7 @@
 """The engine of one process: models, executor, and per model a batcher and admission.
 
-The HTTP layer calls ``Runtime.infer``; everything below it is wired here, started
-by ``start`` (load, warm up, then ready) and stopped by ``drain``/``stop``. No HTTP
-here: the Open Inference Protocol routes and the ``/v1`` routes share this path.
+The HTTP layer (the ``/v1`` and Open Inference Protocol routes alike) calls ``Runtime.infer``;
+all below it is wired here, started by ``start`` and stopped by ``drain``/``stop``.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from vega.metrics import Metrics
 from vega.models import ModelAdapter, load_model
 from vega.models.loader import ModelLoadError
 from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
+from vega.pressure.looplag import LoopLag
 from vega.pressure.pacing import RefusalPacer
 from vega.records import JOB, PRIORITY_BY_NAME, PRIORITY_NAMES, Batch, Item
 from vega.status import Reporter
@@ -94,6 +94,7 @@ class Runtime:
         self._quiet.set()
         self.streams: Streams | None = None  # overflow to peers, with VEGA_REDIS_URL
         self.pacer = RefusalPacer(settings.refusal_rate, settings.refusal_max_hold_ms / 1000)
+        self.lag = LoopLag(settings.default_deadline_ms / 1000)  # the loop's own queue
         self.reporter = Reporter(self)
         self.jobs = JobLane(settings, self.node_id, self.metrics)  # the async lane
         self._local_batches = 0  # batches given to this process's executor, not yet done

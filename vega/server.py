@@ -42,7 +42,6 @@ from vega.models import ModelAdapter
 from vega.oip.routes import OipApi
 from vega.pressure.cache import ResponseCache, models_to_cache
 from vega.pressure.idempotency import Idempotency, fingerprint
-from vega.pressure.looplag import LoopLag
 from vega.runtime import Answer, Runtime
 from vega.stack import Guard, cached, core, idempotent
 
@@ -117,11 +116,9 @@ class V1:
 class Api:
     """The /v1 routes besides inference: health, readiness, models, status, metrics."""
 
-    def __init__(self, runtime: Runtime, lag: LoopLag) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.settings = runtime.settings
-        self.lag = lag
-        self._loop_refused_counted = 0  # the counter is fed the change since the last scrape
 
     async def healthz(self, request: Request) -> Response:
         return json_response({"status": "ok"})
@@ -138,14 +135,10 @@ class Api:
                                          for s in self.runtime.models.values()]})
 
     async def status(self, request: Request) -> Response:
-        return json_response({**self.runtime.status(), "loop": self.lag.status()})
+        return json_response(self.runtime.status())
 
     async def metrics(self, request: Request) -> Response:
         self.runtime.refresh_metrics()
-        self.runtime.metrics.loop_lag.set(self.lag.lag_s)
-        self.runtime.metrics.loop_refused_share.set(self.lag.share)
-        self.runtime.metrics.loop_refused.inc(self.lag.refused - self._loop_refused_counted)
-        self._loop_refused_counted = self.lag.refused
         return Response(self.runtime.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -198,8 +191,7 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
                runtime: Runtime | None = None) -> tuple[ASGIApp, Runtime]:
     """The ASGI app and the runtime it serves; the app's lifespan starts (warm-up) and stops it."""
     runtime = runtime or Runtime(settings, adapters)
-    lag = LoopLag(settings.default_deadline_ms / 1000)  # one loop, every route
-    api = Api(runtime, lag)
+    api = Api(runtime)
     relief = Relief(runtime)
     stack = relief.around(runtime)  # one stack, every protocol
 
@@ -213,11 +205,10 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
             await relief.close()
 
     jobs = JobsApi(runtime, parse_infer_body)  # the async lane (vega/jobs/)
-    v1 = Guard(runtime, V1(runtime), stack, lag, [relief.check_headers], later=jobs,
+    v1 = Guard(runtime, V1(runtime), stack, [relief.check_headers], later=jobs,
                refuse_early=relief.refuse_early)
     oip = OipApi(runtime)
-    v2 = Guard(runtime, oip, stack, lag, [relief.check_headers],
-               refuse_early=relief.refuse_early)
+    v2 = Guard(runtime, oip, stack, [relief.check_headers], refuse_early=relief.refuse_early)
     hot = [(Route("/v1/infer", v1, methods=["POST"]), v1),
            (Route("/v1/models/{name}/infer", v1, methods=["POST"]), v1),
            *((route, v2) for route in oip.infer_routes(v2))]

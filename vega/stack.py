@@ -22,7 +22,7 @@ from vega.errors import REFUSALS, VegaError
 from vega.httpio import Sent, hung_up, read_body
 from vega.pressure.cache import ResponseCache, cache_key
 from vega.pressure.idempotency import Idempotency
-from vega.pressure.looplag import LoopLag, LoopLate
+from vega.pressure.looplag import LoopLate
 from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
 from vega.runtime import ClientGone, Runtime
 
@@ -115,7 +115,7 @@ class Later(Protocol):
 class Guard:
     """One protocol's inference endpoint over the shared stack."""
 
-    def __init__(self, runtime: Runtime, dialect: Dialect, handler: Handler, lag: LoopLag,
+    def __init__(self, runtime: Runtime, dialect: Dialect, handler: Handler,
                  checks: Sequence[Callable[[Request], object]] = (),
                  later: Later | None = None,
                  refuse_early: Callable[[Request, str], bool] = lambda _r, _m: True) -> None:
@@ -126,7 +126,6 @@ class Guard:
         self.later = later
         self.refuse_early = refuse_early  # (request, model): may load refuse it unparsed?
         self.max_body_bytes = runtime.settings.max_body_bytes
-        self.lag = lag  # shared by every route's guard: one event loop
 
     async def __call__(self, request: Request) -> Sent:
         started = asyncio.get_running_loop().time()
@@ -141,7 +140,7 @@ class Guard:
         model, priority = "", NORMAL
         later = self.later if self.later is not None and self.later.wants(request) else None
         kept: bytes | None = None  # the body, only for a refusal that may become a job
-        lag = self.lag
+        lag = self.runtime.lag
         lag.touch()
         try:
             model = self.dialect.model(request)
@@ -163,7 +162,8 @@ class Guard:
             scanned = self.dialect.claimed(request, body) if early or late else None
             if scanned is not None:
                 priority = scanned
-                lag.check(scanned)
+                if late:
+                    lag.check(scanned)
                 if early:
                     self.runtime.gate(model, scanned)
             call = self.dialect.parse(request, model, body,

@@ -21,9 +21,15 @@ class Reporter:
         self.rt = runtime
         self._restarts_counted = 0  # counters are fed the change since the last refresh
         self._refused_counted: dict[str, int] = {}
+        self._loop_refused_counted = 0
 
     def refresh_metrics(self) -> None:
         self.rt.metrics.ready.set(1 if self.rt.ready and not self.rt.draining else 0)
+        lag = self.rt.lag
+        self.rt.metrics.loop_lag.set(lag.lag_s)
+        self.rt.metrics.loop_refused_share.set(lag.share)
+        self.rt.metrics.loop_refused.inc(lag.refused - self._loop_refused_counted)
+        self._loop_refused_counted = lag.refused
         executor = self.rt.executor
         self.rt.metrics.model_processes_up.set(sum(p.up for p in executor.processes))
         self.rt.metrics.model_process_restarts.inc(executor.restarts - self._restarts_counted)
@@ -75,7 +81,7 @@ class Reporter:
                              "processes_up": sum(p.up for p in executor.processes),
                              "restarts": executor.restarts,
                              "pids": [p.pid for p in executor.processes]},
-                "active_requests": self.rt.active_requests,
+                "active_requests": self.rt.active_requests, "loop": self.rt.lag.status(),
                 "models": models, "outcomes": self.outcomes(),
                 "redis_up": self.rt.streams is not None and self.rt.streams.up,
                 "peers": self.rt.streams.peers if self.rt.streams is not None else [],

@@ -7,9 +7,10 @@ long as all of them, and past some number of callers every answer comes after it
 caller's deadline (docs/pressure.md has the figures). The loop's lag, how late a timer
 fires, is that turn. A request waits two or three turns (read, answered, written), and
 the model and a margin need the rest of its deadline, so while a turn runs past an
-eighth of the default deadline a growing share of non-critical requests is refused,
-cached or not, before its body is parsed where its class can be read without parsing
-(vega.httpio.scanned_priority), and never turned into a job (more work for the loop).
+eighth of the default deadline (two turns in a row) a growing share of non-critical
+requests is refused, cached or not, before its body is parsed where its class can be
+read without parsing (vega.httpio.scanned_priority), and never turned into a job (more
+work for the loop).
 The share falls back as the loop keeps time again; callers honouring Retry-After thin
 the flood to what the loop turns in time.
 """
@@ -47,6 +48,7 @@ class LoopLag:
         self._credit = 0.0  # refusals owed: the share, spread evenly over requests
         self._due: float | None = None  # the armed probe's due time
         self._armed_at = 0.0
+        self._was_late = False
         self._touched = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -69,9 +71,15 @@ class LoopLag:
         now = self._loop.time()
         self.lag_s = max(0.0, now - self._due)
         # By the time it took: a probe fires once a turn, and a long turn is the emergency.
+        # Two late turns in a row, as a flood makes them; one is a hiccup (a collection, a
+        # slow callback), and refusing for it would only turn callers away.
         step = RATE_PER_S * min(1.0, now - self._armed_at)
-        self.share = min(1.0, max(0.0, self.share + (
-            step if self.lag_s > self.limit_s else -step)))
+        was_late, late = self._was_late, self.lag_s > self.limit_s
+        self._was_late = late
+        if not late:
+            self.share = max(0.0, self.share - step)
+        elif was_late:
+            self.share = min(1.0, self.share + step)
         self._due = None
         if not self.share:
             self._credit = 0.0
