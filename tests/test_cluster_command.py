@@ -55,12 +55,20 @@ def start_cluster(processes: int, port: int, out: Path, **env: str
     return proc, run_dir
 
 
-@pytest.mark.timeout(180)
-def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Path) -> None:
+def cluster_in(tmp_path: Path, processes: int, **env: str
+               ) -> tuple[subprocess.Popen[bytes], Path, int, Path]:
+    """`vega cluster` started on a free port (Nginx and Redis needed): the process, its
+    folder, the port and the file its output goes to."""
     require("nginx", "redis-server")
     port = free_port()
     out = tmp_path / "cluster.out"
-    proc, run_dir = start_cluster(2, port, out)
+    proc, run_dir = start_cluster(processes, port, out, **env)
+    return proc, run_dir, port, out
+
+
+@pytest.mark.timeout(180)
+def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Path) -> None:
+    proc, run_dir, port, out = cluster_in(tmp_path, 2)
     try:
         url = f"http://127.0.0.1:{port}"
         answers = [httpx.post(url + "/v1/infer", json={"inputs": window(4)}, timeout=30)
@@ -98,10 +106,7 @@ def group_members(pgid: int) -> list[int]:
 @pytest.mark.timeout(180)
 def test_nginx_killed_outright_stops_the_cluster_and_leaves_no_worker_on_the_port(
         tmp_path: Path) -> None:
-    require("nginx", "redis-server")
-    port = free_port()
-    out = tmp_path / "cluster.out"
-    proc, run_dir = start_cluster(1, port, out)
+    proc, run_dir, port, out = cluster_in(tmp_path, 1)
     try:
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         master = next(int(pid) for pid in children
@@ -116,6 +121,32 @@ def test_nginx_killed_outright_stops_the_cluster_and_leaves_no_worker_on_the_por
     finally:
         stop(proc)
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_a_second_sigterm_while_stopping_still_stops_every_child(tmp_path: Path) -> None:
+    proc, run_dir, _, _ = cluster_in(tmp_path, 1)
+    try:
+        children = [int(pid) for pid in
+                    Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert len(children) == 3  # Redis, the Vega process, Nginx
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "SIGTERM: draining" in (run_dir / "vega-1.log").read_text(), 30,
+                   "the process to start draining")
+        proc.send_signal(signal.SIGTERM)  # while the cluster waits for it to drain
+        assert proc.wait(60) == 0
+        assert [pid for pid in children if alive(pid)] == []
+    finally:
+        stop(proc)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def vega_children(pid: int) -> list[int]:
@@ -135,10 +166,7 @@ def vega_children(pid: int) -> list[int]:
 @pytest.mark.timeout(240)
 async def test_a_killed_process_is_restarted_and_no_caller_sees_a_502(
         tmp_path: Path) -> None:
-    require("nginx", "redis-server")
-    port = free_port()
-    out = tmp_path / "cluster.out"
-    proc, run_dir = start_cluster(2, port, out, TEST_SLEEP_MS="10")
+    proc, run_dir, port, out = cluster_in(tmp_path, 2, TEST_SLEEP_MS="10")
     try:
         victim = vega_children(proc.pid)[0]
         books = Books()

@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     workdir.chmod(0o755)
     procs: list[subprocess.Popen[bytes]] = []
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         redis_url = settings.redis_url or _start_redis(workdir, procs)
         sockets = [workdir / f"vega-{i}.sock" for i in range(1, args.processes + 1)]
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+DRAIN_S = 35.0  # a Vega process drains for at most VEGA_DRAIN_TIMEOUT_S (30) on SIGTERM
+HURRIED_S = 1.0  # after a second signal: what is still running is killed
 CRASH_LOOP = (5, 60.0)  # this many unexpected exits within this many seconds: give up
 
 
@@ -168,7 +171,30 @@ def _is_vega(proc: subprocess.Popen[bytes]) -> bool:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    """The first Ctrl-C or SIGTERM stops the cluster; later ones only hurry the stop."""
+    _Hurry.install()
     raise KeyboardInterrupt
+
+
+class _Hurry:
+    """Signals that come while the cluster stops: from the first, the stop waits less."""
+
+    at: float | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        signal.signal(signal.SIGTERM, cls._signalled)
+        signal.signal(signal.SIGINT, cls._signalled)
+
+    @classmethod
+    def _signalled(cls, signum: int, frame: object) -> None:
+        if cls.at is None:
+            cls.at = time.monotonic()
+
+    @classmethod
+    def until(cls, end: float) -> float:
+        """When to stop waiting for a process whose unhurried wait ends at ``end``."""
+        return end if cls.at is None else min(end, cls.at + HURRIED_S)
 
 
 def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None
@@ -233,17 +259,21 @@ def _wait_for(check: object, what: str, timeout_s: float = 30) -> None:
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM Nginx and Vega (which drains), then Redis; kill what does not exit."""
+    """SIGTERM Nginx and Vega (which drains), then Redis; kill what does not exit.
+
+    A Ctrl-C or SIGTERM meanwhile hurries the stop (what is left gets HURRIED_S, then
+    SIGKILL) instead of cutting it short, which would leave the children running."""
+    _Hurry.install()
     redis = [p for p in procs if isinstance(p.args, list) and p.args[0] == "redis-server"]
     for group in ([p for p in procs if p not in redis], redis):
         for proc in group:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        end = time.monotonic() + 35
+        end = time.monotonic() + DRAIN_S
         for proc in group:
-            try:
-                proc.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while proc.poll() is None and time.monotonic() < _Hurry.until(end):
+                time.sleep(0.05)
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     # Each child leads its own process group: sweep them for what a leader killed outright
