@@ -289,3 +289,64 @@ async def test_a_batch_taken_back_holds_a_thread_so_the_next_hand_off_waits_for_
         assert (await asyncio.wait_for(first_item.future, 5.0))[0] == pytest.approx(16.0)
         assert (await asyncio.wait_for(second_item.future, 5.0))[0] == pytest.approx(16.0)
         assert taken_back._value.get() == 2 and batcher.inflight == 0
+
+
+# -- offers at a burst's onset: beats from before it ------------------------------------
+
+
+async def beats_stopped(runtime: Runtime, peers: list[dict[str, Any]]) -> Streams:
+    """The runtime's streams with no thief and no heartbeat of their own, seeing ``peers``
+    (their beats do not change unless the test changes them)."""
+    streams = await ghost_peer_only(runtime)
+    beats = [task for task in streams._tasks if task.get_name() == "streams-heartbeat"]
+    assert beats and not await stop_tasks(beats, timeout_s=5.0)
+    streams.peers = peers
+    return streams
+
+
+def ghost(name: str, beat_ms: int) -> dict[str, Any]:
+    return {"node": name, "time_ms": beat_ms, "models": ["echo"], "stealing": True,
+            "spare": {"echo": 1}}
+
+
+async def test_an_offer_no_peer_read_stops_offers_until_a_peer_beats_again(
+        runtime: Runtime) -> None:
+    """A burst reaches every process at once, so each one's last beat, from before it,
+    says it is free. An offer that comes back unread says otherwise: no more offers on
+    that beat (each would wait for nobody and come back later), only on the next one."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    batch, item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(batch, local_wait_s=0.02)
+    assert (await asyncio.wait_for(item.future, 1.0))[0] == pytest.approx(16.0)  # taken back
+    after, _ = one_window_batch(runtime, 3.0)
+    assert streams.lent("echo") == 0 and not streams.worth_handing_off(after, 0.5)
+    streams.peers = [ghost("ghost", 2)]  # its next beat
+    assert streams.lent("echo") == 1 and streams.worth_handing_off(after, 0.5)
+
+
+async def test_a_decline_stops_offers_to_that_peer_alone(runtime: Runtime) -> None:
+    streams = await beats_stopped(runtime, [ghost("busy", 1), ghost("idle", 1)])
+    batch, item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(batch, local_wait_s=2.0)  # checked long after the decline
+    [key] = list(streams._pending)
+    await streams.cmd.xadd(reply_key("solo"), encode_reply(Reply(  # type: ignore[arg-type]
+        key, "busy", 0.0, (), "declined", "busy now")))
+    assert (await asyncio.wait_for(item.future, 1.0))[0] == pytest.approx(16.0)  # run here
+    assert streams.metrics.overflow_events.labels("declined")._value.get() == 1
+    assert streams.lent("echo") == 1  # the idle one's thread
+    streams.peers = [ghost("busy", 2), ghost("idle", 1)]
+    assert streams.lent("echo") == 2
+
+
+async def test_while_the_loop_runs_late_a_short_wait_is_not_handed_off(
+        runtime: Runtime) -> None:
+    """A hand-off needs turns of this process's loop (the XADD's reply, the answer's
+    read); while each turn runs 100 ms late, a batch that would start here within 50 ms
+    is run here, not offered."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    batch, _ = one_window_batch(runtime, 3.0)
+    assert streams.worth_handing_off(batch, local_wait_s=0.05)
+    runtime.lag.lag_s = 0.1
+    assert streams.round_trip_s() == pytest.approx(0.2)
+    assert not streams.worth_handing_off(batch, local_wait_s=0.05)
+    assert streams.worth_handing_off(batch, local_wait_s=0.5)

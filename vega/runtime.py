@@ -141,7 +141,7 @@ class Runtime:
         if s.redis_url:
             self.streams = Streams(s, self.node_id, self.metrics,
                                    {n: (m.adapter, m.batcher) for n, m in self.models.items()},
-                                   self._run_local)
+                                   self._run_local, self.lag)
             self.streams.start()
         self.jobs.start({n: (m.adapter, m.batcher) for n, m in self.models.items()})
         self._capacity_task = asyncio.create_task(

@@ -49,6 +49,7 @@ from vega.channel.wire import (
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.metrics import Metrics
+from vega.pressure.looplag import LoopLag
 from vega.records import Batch
 
 log = logging.getLogger("vega.streams")
@@ -72,13 +73,14 @@ class Handoff:
     timer: asyncio.TimerHandle | None = None
     last_call: float = 0.0  # loop clock: past it, running it here could not make the deadline
     check_at: float = 0.0  # loop clock: when it would have started here (the unclaimed check)
+    read: bool = False  # a peer has read it: it runs there, or is declined
 
 
 class Streams:
     """The origin's side of overflow, and the loops of both sides."""
 
     def __init__(self, settings: Settings, node: str, metrics: Metrics, models: Models,
-                 run_local: RunLocal) -> None:
+                 run_local: RunLocal, lag: LoopLag | None = None) -> None:
         self.link = link = Link(settings, node, metrics, models, run_local)
         link.on_error, link.take_back = self.redis_error, self._take_back
         link.reposted = self._reposted
@@ -99,6 +101,7 @@ class Streams:
         self._connecting: asyncio.Task[None] | None = None
         self._reply_from = "$"
         self.rtt_s = 0.005  # replaced by measurements
+        self._lag = lag  # this process's loop: how late it runs now
         self.heart = Peers(link, lambda: len(self._pending))
         self.thief = Thief(link)
         metrics.redis_up.set(0)
@@ -237,12 +240,13 @@ class Streams:
             return False
         handoff = Handoff(batch, sent_at=now)
         # Rule 8: the future is registered before the XADD. Rule 7: the origin's own
-        # timer takes the batch back while running it locally can still make it; and
-        # once it would have started here, if no peer has claimed it (a heartbeat said
-        # a peer was free, and it was not), so a wrong guess costs a round trip at most.
+        # timer takes the batch back while running it locally can still make it (the
+        # timer fires as late as the loop runs); and once it would have started here,
+        # if no peer has claimed it (a heartbeat said a peer was free, and it was not),
+        # so a wrong guess costs a round trip at most.
         self._pending[key] = handoff
-        handoff.last_call = batch.deadline - run_s - 2 * self._margin_s
-        handoff.check_at = min(handoff.last_call, now + local_wait_s + self.rtt_s)
+        handoff.last_call = batch.deadline - run_s - 2 * self._margin_s - self._late_s()
+        handoff.check_at = min(handoff.last_call, now + local_wait_s + self.round_trip_s())
         handoff.timer = loop.call_at(handoff.check_at, self._unclaimed, key)
         try:
             handoff.entry_id = await self.cmd.xadd(
@@ -267,14 +271,25 @@ class Streams:
         # A peer can take it sooner when the wait here is longer than the round trip
         # (an idle peer has no queue of its own); each lent thread gets one batch to run
         # and one waiting in the stream, so it never idles between them.
-        if local_wait_s <= self.rtt_s + self.settings.overflow_threshold_ms / 1000:
+        round_trip_s = self.round_trip_s()
+        if local_wait_s <= round_trip_s + self.settings.overflow_threshold_ms / 1000:
             return False
         if not self.room(batch.model):
             return False
         run_s = self.models[batch.model][1].times.predict(batch.bucket, batch.size)
         remaining_s = batch.deadline - asyncio.get_running_loop().time()
         # Room for a remote attempt and, if that fails, a local one.
-        return remaining_s > self.rtt_s + 2 * run_s + 2 * self._margin_s
+        return remaining_s > round_trip_s + 2 * run_s + 2 * self._margin_s + self._late_s()
+
+    def round_trip_s(self) -> float:
+        """What a hand-off's round trip takes now: the measured one, or the two turns of
+        this process's loop it needs (the XADD's reply, the answer's read) while the
+        loop runs late, whichever is longer. A reply measures the late loop only once a
+        peer answers, and at a burst's onset none may."""
+        return max(self.rtt_s, 2 * self._late_s())
+
+    def _late_s(self) -> float:
+        return self._lag.lag_s if self._lag is not None else 0.0
 
     def _unclaimed(self, key: str) -> None:
         handoff = self._pending.get(key)
@@ -297,8 +312,11 @@ class Streams:
         if key not in self._pending:
             return  # answered meanwhile
         if claimed == 1:  # deleted unread: no peer will run it
+            if not any(other.read for other in self._pending.values()):
+                self.heart.doubt(None)  # and none is running one of ours: none is idle
             self._take_back(key, "unclaimed")
             return
+        handoff.read = True
         # Read by a peer (a busy one declines it at once): wait for its answer.
         loop = asyncio.get_running_loop()
         handoff.timer = loop.call_at(handoff.last_call, self._take_back, key, "timeout")
@@ -313,7 +331,8 @@ class Streams:
         if handoff.timer is not None:
             handoff.timer.cancel()
         loop = asyncio.get_running_loop()
-        check_at = min(handoff.last_call, max(handoff.check_at, loop.time() + self.rtt_s))
+        check_at = min(handoff.last_call,
+                       max(handoff.check_at, loop.time() + self.round_trip_s()))
         handoff.timer = loop.call_at(check_at, self._unclaimed, key)
 
     def _take_back(self, key: str, why: str) -> None:
@@ -393,6 +412,7 @@ class Streams:
             return
         if reply.error_code == "declined":
             self.metrics.overflow_events.labels("declined").inc()
+            self.heart.doubt(reply.node)
             self._take_back(key, "declined")
             return
         del self._pending[key]

@@ -31,13 +31,28 @@ class Peers:
         self.link = link
         self._handed_off = handed_off  # our batches waiting on peers now
         self.live: list[dict[str, Any]] = []
+        self._doubted: dict[str, Any] = {}  # node -> the beat (its time_ms) not believed
 
     def lent(self, model: str) -> float:
         """Executor threads the live peers can lend for ``model`` (0 when Redis is away)."""
         if not self.link.up:
             return 0.0
         return float(sum(peer["spare"].get(model, 0) for peer in self.live
-                         if peer["stealing"] and isinstance(peer.get("spare"), dict)))
+                         if peer["stealing"] and isinstance(peer.get("spare"), dict)
+                         and not self._doubts(peer)))
+
+    def _doubts(self, peer: dict[str, Any]) -> bool:
+        node = peer["node"]
+        return node in self._doubted and self._doubted[node] == peer.get("time_ms")
+
+    def doubt(self, node: str | None) -> None:
+        """A batch offered on a peer's word came back unrun (it declined, or none read
+        it): its last beat is stale, as a burst makes every beat before it, so its spare
+        threads count again only from its next one. ``None``: every peer's (which one
+        let the batch pass is not known)."""
+        for peer in self.live:
+            if node is None or peer["node"] == node:
+                self._doubted[peer["node"]] = peer.get("time_ms")
 
     async def loop(self) -> None:
         settings = self.link.settings
@@ -80,6 +95,9 @@ class Peers:
                 pipe.hgetall(node_key(other))
             states = await pipe.execute() if others else []
         self.live = [peer for peer in map(_peer, states) if peer is not None]
+        beats = {peer["node"]: peer["time_ms"] for peer in self.live}
+        self._doubted = {node: beat for node, beat in self._doubted.items()
+                         if beats.get(node) == beat}  # a newer beat is believed again
         link.metrics.peers.set(len(self.live))
 
     async def leave(self) -> None:
@@ -94,7 +112,9 @@ class Peers:
 def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
     """A heartbeat as /v1/status shows it; None if it expired or does not parse."""
     try:
-        return {"node": state[b"node"].decode(), "age_ms": wall_ms() - int(state[b"time_ms"]),
+        beat_ms = int(state[b"time_ms"])
+        return {"node": state[b"node"].decode(), "time_ms": beat_ms,
+                "age_ms": wall_ms() - beat_ms,
                 "models": orjson.loads(state[b"models"]), "depth": orjson.loads(state[b"depth"]),
                 "service_rate": orjson.loads(state[b"service_rate"]),
                 "inflight": int(state[b"inflight"]), "stealing": state[b"stealing"] == b"1",
