@@ -324,6 +324,25 @@ async def test_an_offer_no_peer_read_stops_offers_until_a_peer_beats_again(
     assert streams.lent("echo") == 1 and streams.worth_handing_off(after, 0.5)
 
 
+async def test_an_offer_left_unread_while_a_peer_runs_ours_keeps_offers_going(
+        runtime: Runtime) -> None:
+    """A peer that has just answered a batch of ours is stealing: one left unread meanwhile
+    waited only for its thief to come back for it, which says nothing about the peer."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    first, first_item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(first, local_wait_s=2.0)
+    [key] = list(streams._pending)
+    output = np.array([16.0, 2.0], np.float32)
+    await streams.cmd.xadd(reply_key("solo"), encode_reply(Reply(  # type: ignore[arg-type]
+        key, "ghost", 1.0, (output,))))
+    assert (await asyncio.wait_for(first_item.future, 1.0))[0] == pytest.approx(16.0)
+    second, second_item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(second, local_wait_s=0.02)
+    assert (await asyncio.wait_for(second_item.future, 1.0))[0] == pytest.approx(16.0)
+    assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 1
+    assert streams.lent("echo") == 1
+
+
 async def test_a_decline_stops_offers_to_that_peer_alone(runtime: Runtime) -> None:
     streams = await beats_stopped(runtime, [ghost("busy", 1), ghost("idle", 1)])
     batch, item = one_window_batch(runtime, 3.0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable
@@ -102,6 +103,7 @@ class Streams:
         self._reply_from = "$"
         self.rtt_s = 0.005  # replaced by measurements
         self._lag = lag  # this process's loop: how late it runs now
+        self._answered_at = -math.inf  # loop clock: when a peer last answered a batch of ours
         self.heart = Peers(link, lambda: len(self._pending))
         self.thief = Thief(link)
         metrics.redis_up.set(0)
@@ -312,14 +314,21 @@ class Streams:
         if key not in self._pending:
             return  # answered meanwhile
         if claimed == 1:  # deleted unread: no peer will run it
-            if not any(other.read for other in self._pending.values()):
-                self.heart.doubt(None)  # and none is running one of ours: none is idle
+            if not self._peer_runs_ours():
+                self.heart.doubt(None)  # none was free to read it
             self._take_back(key, "unclaimed")
             return
         handoff.read = True
         # Read by a peer (a busy one declines it at once): wait for its answer.
         loop = asyncio.get_running_loop()
         handoff.timer = loop.call_at(handoff.last_call, self._take_back, key, "timeout")
+
+    def _peer_runs_ours(self) -> bool:
+        """Whether a peer is running batches of ours: one read and not yet answered, or one
+        answered within a beat (its thief was between two of them, not busy)."""
+        since_s = asyncio.get_running_loop().time() - self._answered_at
+        return since_s < self.settings.heartbeat_ms / 1000 or \
+            any(handoff.read for handoff in self._pending.values())
 
     def _reposted(self, key: str, entry_id: Any) -> None:
         """Our own thief read a batch of ours while busy and put it back under a new id:
@@ -433,7 +442,8 @@ class Streams:
             if not item.future.done():
                 item.infer_s = infer_s
                 item.future.set_result(output)
-        round_trip_s = asyncio.get_running_loop().time() - handoff.sent_at - infer_s
+        self._answered_at = asyncio.get_running_loop().time()
+        round_trip_s = self._answered_at - handoff.sent_at - infer_s
         self.rtt_s = 0.8 * self.rtt_s + 0.2 * max(0.0, round_trip_s)
         self.metrics.steal_rtt.set(self.rtt_s)
 
