@@ -52,7 +52,42 @@ def test_the_line_follows_the_last_window_of_batches() -> None:
         times.observe(0, size, 0.002 + 0.0001 * size)
     for size in (1, 8, 32, 16) * 2:
         times.observe(0, size, 2 * (0.002 + 0.0001 * size))
-    assert times.predict(0, 16) == pytest.approx(2 * (0.002 + 0.0016))
+    line = times.line(0)
+    assert line is not None and line.at(16) == pytest.approx(2 * (0.002 + 0.0016))
+
+
+def warmed(buckets: int) -> BatchTimes:
+    """Lines for ``buckets`` buckets, each batch of size n in bucket b taking (b+1)(2 + n/10)
+    ms, as a warm-up and some serving leave them."""
+    times = BatchTimes(buckets)
+    for bucket in range(buckets):
+        for size in (1, 16, 32) * 10:
+            times.observe(bucket, size, (bucket + 1) * (0.002 + 0.0001 * size))
+    times.settle()
+    return times
+
+
+def test_a_host_slowing_every_bucket_is_seen_within_a_few_batches() -> None:
+    # A burst's onset: the loop and the load take two thirds of the model's core, and every
+    # batch takes three times its line. Six batches of two buckets tell all the buckets.
+    times = warmed(4)
+    for bucket in (0, 1) * 3:
+        times.observe(bucket, 16, 3 * (bucket + 1) * 0.0036)
+    assert times.drift == pytest.approx(3.0, rel=0.15)  # the lines have moved a little too
+    assert times.predict(3, 32) == pytest.approx(3 * 4 * 0.0052, rel=0.15)
+    assert times.drain_s([0, 0, 0, 32], 32) == pytest.approx(3 * 4 * 0.0052, rel=0.15)
+    # And as the host frees up again, so do the predictions.
+    for bucket in (2, 3) * 5:
+        times.observe(bucket, 16, (bucket + 1) * 0.0036)
+    assert times.drift == pytest.approx(1.0, rel=0.1)
+
+
+def test_one_batch_held_up_moves_no_prediction() -> None:
+    # A collection, or the scheduler giving the core away for 100 ms, in one batch.
+    times = warmed(2)
+    before = times.predict(1, 32)
+    times.observe(0, 16, 0.1)
+    assert times.drift == 1.0 and times.predict(1, 32) == pytest.approx(before, rel=0.05)
 
 
 def test_a_line_tilted_by_one_noisy_partial_batch_is_not_trusted() -> None:

@@ -64,6 +64,7 @@ class Reporter:
                 "inflight_batches": b.inflight,
                 "service_rate_items_per_s": round(b.rate.items_per_s, 1),
                 "backlog_ms": round(1000 * b.backlog_s(), 2),
+                "batch_time_drift": round(b.times.drift, 3),  # recent batches vs their lines
                 "standing_queue": b.standing(now),
                 "queue_behind": b.behind(now),  # sheds what waited out the interval
                 "peer_threads_lent": self.rt.lent(name),

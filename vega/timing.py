@@ -21,18 +21,42 @@ class Line:
         return max(0.0, self.fixed_s + self.per_item_s * size)
 
 
+DRIFT_BATCHES = 9  # the drift is the median over this many recent batches, of any bucket
+DRIFT_CAP = 8.0
+
+
 class BatchTimes:
-    """Least-squares batch time per bucket over a sliding window of measurements."""
+    """Least-squares batch time per bucket over a sliding window of measurements, times
+    the drift: what the recent batches of every bucket took against their lines.
+
+    A bucket's line turns over in ``window`` of its own batches, seconds when the batches
+    spread over many buckets; a host whose cores suddenly go to other work (a burst's
+    onset, the loop and the load beside the model) slows every bucket at once, and the
+    drift sees that within a few batches of any of them. The median: one batch held up
+    by a collection or a preemption moves nothing."""
 
     def __init__(self, buckets: int, window: int = 64) -> None:
         self._samples: list[deque[tuple[int, float]]] = [deque(maxlen=window)
                                                          for _ in range(buckets)]
         self._lines: list[Line | None] = [None] * buckets
+        self._ratios: deque[float] = deque(maxlen=DRIFT_BATCHES)
+        self.drift = 1.0
+        self.settle()
 
     def observe(self, bucket: int, size: int, seconds: float) -> None:
+        line = self._lines[bucket]
+        if line is not None and line.at(size) > 0:
+            self._ratios.append(min(DRIFT_CAP, seconds / line.at(size)))
+            self.drift = sorted(self._ratios)[len(self._ratios) // 2]
         samples = self._samples[bucket]
         samples.append((size, seconds))
         self._lines[bucket] = _fit(samples)
+
+    def settle(self) -> None:
+        """Start the drift afresh (the lines were just seeded by a warm-up, not served):
+        batches as their lines say, until served ones say otherwise."""
+        self._ratios.extend([1.0] * DRIFT_BATCHES)
+        self.drift = 1.0
 
     def line(self, bucket: int) -> Line | None:
         return self._lines[bucket]
@@ -42,7 +66,7 @@ class BatchTimes:
         line = self._lines[bucket]
         if line is None:
             line = self._nearest(bucket)
-        return line.at(size) if line is not None else 0.0
+        return line.at(size) * self.drift if line is not None else 0.0
 
     def drain_s(self, counts: list[int], max_size: int) -> float:
         """Seconds to run ``counts[bucket]`` items of each bucket in batches of up to ``max_size``.
@@ -64,7 +88,7 @@ class BatchTimes:
             if rest:
                 rest_total += rest
                 fixed = max(fixed, line.fixed_s)
-        return seconds + fixed * -(-rest_total // max_size)
+        return (seconds + fixed * -(-rest_total // max_size)) * self.drift
 
     def per_item_s(self, bucket: int, size: int) -> float:
         return self.predict(bucket, size) / max(1, size)

@@ -48,6 +48,7 @@ def seed_batch_times(batcher: Batcher, passes: int,
         seconds = measure(bound, size)
         batcher.times.observe(bucket, size, seconds)
         batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
+    batcher.times.settle()
 
 
 def in_turn(shapes: Sequence[T], passes: int) -> Iterator[T]:
@@ -71,4 +72,5 @@ def rebucketed(batcher: Batcher, bounds: tuple[int, ...]) -> Batcher:
     for bucket, line in enumerate(lines):
         for size in sizes:
             other.rate.observe(size, size * other.item_cost(bucket), line.at(size))
+    other.times.settle()
     return other
