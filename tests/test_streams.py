@@ -189,12 +189,13 @@ async def ghost_peer_only(runtime: Runtime) -> Streams:
 
     The thief is stopped and awaited, not only cancelled: a cancellation can be lost in
     redis-py's blocking read, and a read still blocked in Redis would take the next entry
-    (then nobody answers it). The round trip after lets Redis see that connection close."""
+    (then nobody answers it). The round trip after, to the server holding the stream (one
+    of several in a Redis Cluster), lets it see that connection close."""
     streams = runtime.streams
     assert streams is not None
     thieves = [task for task in streams._tasks if task.get_name().startswith("streams-steal")]
     assert thieves and not await stop_tasks(thieves, timeout_s=5.0)
-    await streams.cmd.ping()
+    await streams.cmd.xlen(overflow_key("echo"))
     streams.peers = [{"node": "ghost", "models": ["echo"], "stealing": True, "spare": {"echo": 1}}]
     return streams
 
