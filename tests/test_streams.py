@@ -29,6 +29,7 @@ from vega.channel.wire import (
     encode_reply,
 )
 from vega.config import load_settings
+from vega.errors import VegaError
 from vega.records import CRITICAL, Batch, Item
 from vega.runtime import Runtime
 from vega.streams import Streams
@@ -370,3 +371,52 @@ async def test_while_the_loop_runs_late_a_short_wait_is_not_handed_off(
     assert streams.round_trip_s() == pytest.approx(0.2)
     assert not streams.worth_handing_off(batch, local_wait_s=0.05)
     assert streams.worth_handing_off(batch, local_wait_s=0.5)
+
+
+# -- a take-back close to the deadline ---------------------------------------------------
+
+
+def slow_checks(streams: Streams, monkeypatch: pytest.MonkeyPatch, *delays_s: float) -> None:
+    """Each unclaimed check (one EVAL) answered ``delays_s`` late, in turn: a loaded host."""
+    real_eval, delays = streams.cmd.eval, list(delays_s)
+
+    async def slow_eval(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(delays.pop(0))
+        return await real_eval(*args, **kwargs)
+
+    monkeypatch.setattr(streams.cmd, "eval", slow_eval)
+
+
+@pytest.mark.exclusive  # the second take-back must run within its 450-ms deadline
+async def test_the_unclaimed_check_is_asked_a_measured_check_before_the_last_call(
+        runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a peer has read a hand-off is one Redis round trip, which a loaded host
+    stretches to tens of ms. Asked just before the last call, its answer came too late
+    to run the batch here: every item of it a 504. A check once seen taking 200 ms is
+    asked 200 ms before the last call."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    slow_checks(streams, monkeypatch, 0.2, 0.1)
+    first, first_item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(first, local_wait_s=0.05)
+    assert (await asyncio.wait_for(first_item.future, 2.0))[0] == pytest.approx(16.0)
+    streams.peers = [ghost("ghost", 2)]  # believed again on its next beat
+    second, second_item = one_window_batch(runtime, 0.45)
+    assert await streams.offer(second, local_wait_s=0.4)  # it would start here in 400 ms
+    assert (await asyncio.wait_for(second_item.future, 2.0))[0] == pytest.approx(16.0)
+    assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 2
+
+
+async def test_a_batch_taken_back_late_still_runs_the_items_that_can_make_it(
+        runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taken back too late for its earliest deadline, a batch is dispatched again as the
+    batcher dispatches: only the items it can no longer answer in time fail (504)."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    slow_checks(streams, monkeypatch, 0.5)
+    batch, soon = one_window_batch(runtime, 0.3)
+    _, later = one_window_batch(runtime, 3.0)
+    batch.items.append(later)
+    assert await streams.offer(batch, local_wait_s=0.05)
+    with pytest.raises(VegaError) as missed:
+        await asyncio.wait_for(soon.future, 2.0)
+    assert missed.value.code == "deadline_exceeded"
+    assert (await asyncio.wait_for(later.future, 2.0))[0] == pytest.approx(16.0)

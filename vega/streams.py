@@ -8,8 +8,8 @@ the batch and answer on ``vega:reply:<origin>``, which one task here reads (the
 thief's side is vega/channel/steal.py). The origin owns the timeout: a batch not answered in
 time is taken back and run locally, or failed with 504. Redis away means everything
 runs locally until it is back. This module holds the origin's side and the connection's
-ups and downs; both sides share one ``vega.channel.link.Link``, and the heartbeats are
-vega/channel/peers.py.
+ups and downs; both sides share one ``vega.channel.link.Link``, the heartbeats are
+vega/channel/peers.py, and what is kept of a batch out is vega/channel/handoff.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import math
 import os
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import Any
 
 from redis import exceptions as rexc
@@ -35,6 +34,7 @@ from vega.channel.keys import (
     overflow_key,
     reply_key,
 )
+from vega.channel.handoff import DELETE_UNLESS_DELIVERED, Handoff
 from vega.channel.link import Link, Models, RunLocal, log_end, stop_tasks
 from vega.channel.peers import Peers
 from vega.channel.steal import Thief
@@ -56,25 +56,6 @@ from vega.records import Batch
 log = logging.getLogger("vega.streams")
 
 REPLY_CODES = frozenset({"model_error", "declined", "dead_letter"})
-# KEYS[1] the overflow stream, ARGV group and entry id: -1 if a consumer has read the entry,
-# else the entries deleted (1: it was still waiting; 0: it had left the stream already).
-_DELETE_UNLESS_DELIVERED = """
-if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) > 0 then return -1 end
-return redis.call('XDEL', KEYS[1], ARGV[2])
-"""
-
-
-@dataclass
-class Handoff:
-    """A batch of ours waiting on peers."""
-
-    batch: Batch
-    entry_id: Any = None
-    sent_at: float = 0.0  # loop clock
-    timer: asyncio.TimerHandle | None = None
-    last_call: float = 0.0  # loop clock: past it, running it here could not make the deadline
-    check_at: float = 0.0  # loop clock: when it would have started here (the unclaimed check)
-    read: bool = False  # a peer has read it: it runs there, or is declined
 
 
 class Streams:
@@ -102,6 +83,7 @@ class Streams:
         self._connecting: asyncio.Task[None] | None = None
         self._reply_from = "$"
         self.rtt_s = 0.005  # replaced by measurements
+        self._check_s = 0.0  # an unclaimed check's round trip: the longest lately seen
         self._lag = lag  # this process's loop: how late it runs now
         self._answered_at = -math.inf  # loop clock: when a peer last answered a batch of ours
         self.heart = Peers(link, lambda: len(self._pending))
@@ -248,7 +230,7 @@ class Streams:
         # so a wrong guess costs a round trip at most.
         self._pending[key] = handoff
         handoff.last_call = batch.deadline - run_s - 2 * self._margin_s - self._late_s()
-        handoff.check_at = min(handoff.last_call, now + local_wait_s + self.round_trip_s())
+        handoff.check_at = min(self._ask_by(handoff), now + local_wait_s + self.round_trip_s())
         handoff.timer = loop.call_at(handoff.check_at, self._unclaimed, key)
         try:
             handoff.entry_id = await self.cmd.xadd(
@@ -293,6 +275,12 @@ class Streams:
     def _late_s(self) -> float:
         return self._lag.lag_s if self._lag is not None else 0.0
 
+    def _ask_by(self, handoff: Handoff) -> float:
+        """When the unclaimed check must be asked for its answer to be back by the last call:
+        a check's round trip before it, as long as the longest lately seen (a loaded host
+        stretches one to tens of ms), a steal's round trip at least."""
+        return handoff.last_call - max(self._check_s, self.round_trip_s())
+
     def _unclaimed(self, key: str) -> None:
         handoff = self._pending.get(key)
         if handoff is None:
@@ -305,12 +293,16 @@ class Streams:
     async def _take_back_unless_claimed(self, key: str, handoff: Handoff) -> None:
         """Take the batch back if no peer has read it yet; else wait for its answer."""
         model = handoff.batch.model
+        loop = asyncio.get_running_loop()
+        asked_at = loop.time()
         try:  # one step on the server: no thief can read it between the check and the delete
-            claimed = await self.cmd.eval(_DELETE_UNLESS_DELIVERED, 1, overflow_key(model),
+            claimed = await self.cmd.eval(DELETE_UNLESS_DELIVERED, 1, overflow_key(model),
                                           GROUP, handoff.entry_id)
         except rexc.RedisError as error:
             self.redis_error(error)  # takes every pending batch back
             return
+        took_s = loop.time() - asked_at  # up at once, down slowly: a burst comes back
+        self._check_s = max(took_s, 0.8 * self._check_s + 0.2 * took_s)
         if key not in self._pending:
             return  # answered meanwhile
         if claimed == 1:  # deleted unread: no peer will run it
@@ -320,7 +312,6 @@ class Streams:
             return
         handoff.read = True
         # Read by a peer (a busy one declines it at once): wait for its answer.
-        loop = asyncio.get_running_loop()
         handoff.timer = loop.call_at(handoff.last_call, self._take_back, key, "timeout")
 
     def _peer_runs_ours(self) -> bool:
@@ -340,7 +331,7 @@ class Streams:
         if handoff.timer is not None:
             handoff.timer.cancel()
         loop = asyncio.get_running_loop()
-        check_at = min(handoff.last_call,
+        check_at = min(self._ask_by(handoff),
                        max(handoff.check_at, loop.time() + self.round_trip_s()))
         handoff.timer = loop.call_at(check_at, self._unclaimed, key)
 
@@ -359,16 +350,17 @@ class Streams:
             self._spawn(self._forget(batch.model, key, handoff.entry_id, batch.deadline))
         if not any(item.live for item in batch.items):
             return
-        now = asyncio.get_running_loop().time()
         batcher = self.models[batch.model][1]
-        if now + batcher.times.predict(batch.bucket, batch.size) < batch.deadline:
-            # (the timer left a margin for its own lateness.) Our work again: the batcher
-            # counts it, or our idle thief would read the next batch we hand off straight
-            # back too, and peers would idle.
+        # Dispatched again, as the batcher dispatches (rule 1): the items a run here can no
+        # longer answer in time fail, the rest run (the timer left a margin for its lateness).
+        finish = asyncio.get_running_loop().time() + batcher.times.predict(batch.bucket,
+                                                                             batch.size)
+        batch.fail_due_by(finish, VegaError("deadline_exceeded",
+                                            "handed to a peer that did not answer in time"))
+        if batch.items:
+            # Our work again: the batcher counts it, or our idle thief would read the next
+            # batch we hand off straight back too, and peers would idle.
             batcher.hold(batch, self._spawn(self.run_local(batch)))
-        else:
-            batch.fail(VegaError("deadline_exceeded",
-                                 "handed to a peer that did not answer in time"))
 
     async def _forget(self, model: str, key: str, entry_id: Any, deadline: float) -> None:
         """Tell peers the batch is answered: a thief or a reclaimer will not run it."""
