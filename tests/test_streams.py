@@ -409,7 +409,8 @@ async def test_the_unclaimed_check_is_asked_a_measured_check_before_the_last_cal
 async def test_a_batch_taken_back_late_still_runs_the_items_that_can_make_it(
         runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """Taken back too late for its earliest deadline, a batch is dispatched again as the
-    batcher dispatches: only the items it can no longer answer in time fail (504)."""
+    batcher dispatches: only the items it can no longer answer in time fail (504 once
+    their deadline has passed)."""
     streams = await beats_stopped(runtime, [ghost("ghost", 1)])
     slow_checks(streams, monkeypatch, 0.5)
     batch, soon = one_window_batch(runtime, 0.3)

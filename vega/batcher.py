@@ -22,7 +22,7 @@ from typing import Any
 
 from vega.buckets import shares
 from vega.config import Settings, length_bounds
-from vega.errors import VegaError
+from vega.errors import VegaError, missed_deadline
 from vega.inflight import Inflight
 from vega.queues import Queues, first_live
 from vega.records import CRITICAL, JOB, PRIORITY_NAMES, Batch, Item
@@ -403,7 +403,7 @@ class Batcher(Queues):
     def _refuse_at_dispatch(self, item: Item, finish: float, now: float,
                             behind: bool) -> VegaError | None:
         if item.deadline <= finish:
-            return VegaError("deadline_exceeded", "deadline passed while queued")
+            return missed_deadline(item.deadline, now, self.backlog_s())
         if behind and item.priority != CRITICAL and \
                 now - item.enqueued_at > self.config.standing_after_s:
             return self._shed(now)

@@ -59,5 +59,17 @@ class VegaError(Exception):
         return f"VegaError({self.code!r}, {self.message!r})"
 
 
+def missed_deadline(deadline: float, now: float, retry_after_s: float,
+                    expired: str = "deadline passed while queued") -> VegaError:
+    """The answer for an item whose batch would end after its deadline (DESIGN.md rule 1,
+    again at dispatch): 504 once the deadline has passed; with it still ahead, the refusal
+    admission would have given (429 ``deadline_unmeetable``, which a caller that can wait
+    turns into a job), its Retry-After the backlog's."""
+    if deadline <= now:
+        return VegaError("deadline_exceeded", expired)
+    return VegaError("deadline_unmeetable", "the batch it would run in ends after its deadline",
+                     retry_after_ms=1000 * max(retry_after_s, 0.05))
+
+
 def invalid_input(message: str) -> VegaError:
     return VegaError("invalid_input", message)

@@ -98,14 +98,14 @@ class Batch:
     def deadline(self) -> float:
         return min(item.deadline for item in self.items)
 
-    def fail_due_by(self, finish: float, error: BaseException) -> None:
-        """Answer ``error`` to the items whose deadline comes by ``finish``; keep the rest."""
+    def fail_due_by(self, finish: float, error: Callable[[Item], BaseException]) -> None:
+        """Answer ``error(item)`` to the items whose deadline comes by ``finish``; keep the rest."""
         kept = []
         for item in self.items:
             if item.deadline > finish:
                 kept.append(item)
             elif not item.future.done():
-                item.future.set_exception(error)
+                item.future.set_exception(error(item))
         self.items = kept
 
     def fail(self, error: BaseException) -> None:

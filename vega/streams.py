@@ -48,7 +48,7 @@ from vega.channel.wire import (
     wall_ms,
 )
 from vega.config import Settings
-from vega.errors import VegaError
+from vega.errors import VegaError, missed_deadline
 from vega.metrics import Metrics
 from vega.pressure.looplag import LoopLag
 from vega.records import Batch
@@ -353,10 +353,10 @@ class Streams:
         batcher = self.models[batch.model][1]
         # Dispatched again, as the batcher dispatches (rule 1): the items a run here can no
         # longer answer in time fail, the rest run (the timer left a margin for its lateness).
-        finish = asyncio.get_running_loop().time() + batcher.times.predict(batch.bucket,
-                                                                             batch.size)
-        batch.fail_due_by(finish, VegaError("deadline_exceeded",
-                                            "handed to a peer that did not answer in time"))
+        now = asyncio.get_running_loop().time()
+        finish = now + batcher.times.predict(batch.bucket, batch.size)
+        batch.fail_due_by(finish, lambda item: missed_deadline(
+            item.deadline, now, batcher.backlog_s(), "handed to a peer that did not answer"))
         if batch.items:
             # Our work again: the batcher counts it, or our idle thief would read the next
             # batch we hand off straight back too, and peers would idle.

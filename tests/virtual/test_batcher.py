@@ -288,13 +288,16 @@ async def test_a_runner_that_tells_of_a_batch_end_gets_the_next_batch_at_once(
 
 
 async def test_a_batch_formed_ahead_refuses_items_its_wait_would_make_late(running: Start) -> None:
+    """Refused at dispatch as admission refuses (rule 1): their deadlines are still ahead,
+    so not 504 (expired) but 429 ``deadline_unmeetable``, with a Retry-After."""
     batcher, sink, first = await _busy_with_a_full_batch(running, {0: 0.4})
     # Formed ~0.28 s in, these would end at ~0.68 s if they ran at once; behind the running
     # batch they end at ~0.8 s, past their 0.75-s deadline.
     late = [item(batcher, deadline_s=0.75) for _ in range(4)]
     await asyncio.wait_for(_until(lambda: all(i.future.done() for i in late)), 5)
     errors = [i.future.exception() for i in late]
-    assert all(isinstance(e, VegaError) and e.code == "deadline_exceeded" for e in errors)
+    assert all(isinstance(e, VegaError) and e.code == "deadline_unmeetable" and e.status == 429
+               and e.retry_after_ms is not None and e.retry_after_ms >= 50 for e in errors)
     assert len(sink.batches) == 1
     sink.gate.set()
     await asyncio.wait_for(asyncio.gather(*(i.future for i in first)), 5)

@@ -33,6 +33,8 @@ log = logging.getLogger("vega.jobs")
 # RedisClusterException: what the cluster client raises when no seed node answers.
 STORE_ERRORS = (rexc.RedisError, rexc.RedisClusterException, OSError)
 PAUSE_S = 0.5  # after a store error, before trying again
+# A job item's deadline is its ttl: passed while queued, or its batch would end past it.
+MISSED = frozenset({"deadline_exceeded", "deadline_unmeetable"})
 
 
 class JobRunner:
@@ -146,8 +148,8 @@ class JobRunner:
                 body = orjson.dumps(outputs[0] if job.single else outputs,
                                     option=orjson.OPT_SERIALIZE_NUMPY)
                 await self._end(job, DONE, outputs=body)
-            elif any(isinstance(e, VegaError) and e.code == "deadline_exceeded" for e in errors):
-                await self._end(job, EXPIRED)  # its ttl passed while it was queued here
+            elif any(isinstance(e, VegaError) and e.code in MISSED for e in errors):
+                await self._end(job, EXPIRED)  # its ttl passed (or would) while queued here
             elif job.attempts < self.lane.max_attempts:
                 self.lane.metrics.jobs_retried.labels(self.model).inc()
                 await self.lane.store.retry(job)
