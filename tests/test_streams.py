@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -13,6 +14,7 @@ import numpy as np
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from redis import exceptions as rexc
 
 from tests.infra import RedisServer
 from tests.models import echo, window
@@ -421,3 +423,42 @@ async def test_a_batch_taken_back_late_still_runs_the_items_that_can_make_it(
         await asyncio.wait_for(soon.future, 2.0)
     assert missed.value.code == "deadline_exceeded"
     assert (await asyncio.wait_for(later.future, 2.0))[0] == pytest.approx(16.0)
+
+
+# -- a timeout: a stall here, or Redis away ----------------------------------------------
+
+
+async def test_a_timeout_while_redis_answers_is_a_stall_here_not_an_outage(
+        runtime: Runtime) -> None:
+    """A stall of this process (a burst's long loop turns, a collection) fails with a
+    timeout every command in flight across it, though Redis answered. A PING tells that
+    from Redis away: batches out stay out, overflow stays on."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    batch, item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(batch, local_wait_s=2.0)
+    streams.redis_error(rexc.TimeoutError("Timeout reading from redis"))
+    stalled = streams.metrics.overflow_events.labels("stalled")
+    for _ in range(100):
+        if stalled._value.get():
+            break
+        await asyncio.sleep(0.01)
+    assert stalled._value.get() == 1 and streams.up and not item.future.done()
+    assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 0
+
+
+async def test_a_timeout_while_redis_is_hung_is_an_outage(
+        runtime: Runtime, redis_server: RedisServer) -> None:
+    """Redis stopped (SIGSTOP: it holds its connections and answers nothing): the PING
+    times out too, and every batch out is taken back and run here."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    batch, item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(batch, local_wait_s=2.0)
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        streams.redis_error(rexc.TimeoutError("Timeout reading from redis"))
+        assert (await asyncio.wait_for(item.future, 2.0))[0] == pytest.approx(16.0)
+        assert not streams.up
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    assert streams.metrics.overflow_events.labels("stalled")._value.get() == 0

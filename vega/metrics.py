@@ -83,7 +83,8 @@ class Metrics:
         self.overflow_events = Counter(
             "vega_overflow_events_total", "What happened to overflow batches besides a "
             "plain steal: taken_back, reclaimed, dead_lettered, declined, "
-            "late_reply, malformed, expired", ["event"], registry=r)
+            "late_reply, malformed, expired; stalled: a Redis command timed out in a "
+            "stall of this process, Redis answering", ["event"], registry=r)
         self.steal_rtt = Gauge("vega_steal_rtt_seconds",
                                "Measured round trip of a stolen batch, less its model time",
                                registry=r)

@@ -18,7 +18,6 @@ import asyncio
 import logging
 import math
 import os
-import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -81,6 +80,7 @@ class Streams:
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
         self._connecting: asyncio.Task[None] | None = None
+        self._confirming: asyncio.Future[Any] | None = None  # a timeout's PING to Redis
         self._reply_from = "$"
         self.rtt_s = 0.005  # replaced by measurements
         self._check_s = 0.0  # an unclaimed check's round trip: the longest lately seen
@@ -177,26 +177,9 @@ class Streams:
             self._connecting.add_done_callback(log_end)
 
     async def _connect(self) -> None:
-        delay_s = 0.1
-        while True:
-            try:
-                pings = []
-                for _ in range(3):  # the least of three: one slow first ping is noise
-                    started = time.perf_counter()
-                    await self.cmd.ping()
-                    pings.append(time.perf_counter() - started)
-                # Round trip of a steal until one is measured: XADD, XREADGROUP, XADD, XREAD.
-                self.rtt_s = 4 * min(pings)
-                seconds, micros = await self.cmd.time()
-                if self._reply_from == "$":  # replies from now on, even before the reader reads
-                    self._reply_from = f"{seconds * 1000 + micros // 1000}-0"
-                for model in self.models:
-                    await self.link.ensure_group(model)
-                break
-            except rexc.RedisError as error:
-                log.debug("redis connect failed: %r; next try in %.1f s", error, delay_s)
-                await asyncio.sleep(delay_s)
-                delay_s = min(5.0, delay_s * 2)
+        self.rtt_s, server_ms = await self.link.reach()
+        if self._reply_from == "$":  # replies from now on, even before the reader reads
+            self._reply_from = f"{server_ms}-0"
         log.info("redis up: overflow on for %s", ", ".join(self.models))
         self.metrics.redis_up.set(1)
         self.up_event.set()
@@ -440,10 +423,25 @@ class Streams:
         self.metrics.steal_rtt.set(self.rtt_s)
 
     def redis_error(self, error: BaseException) -> None:
-        if isinstance(error, CONNECTION_ERRORS):
+        if isinstance(error, rexc.TimeoutError):
+            # A stall of this process (a burst's long loop turns, a collection) times out
+            # every command in flight across it though Redis answered; one PING tells it
+            # from Redis away before every batch out is taken back.
+            if self.up and (self._confirming is None or self._confirming.done()):
+                self._confirming = self._spawn(self._confirm_lost(error))
+        elif isinstance(error, CONNECTION_ERRORS):
             self._lost(error)
         else:
             log.error("redis refused a command: %r", error)
+
+    async def _confirm_lost(self, error: BaseException) -> None:
+        try:
+            await self.cmd.ping()
+        except rexc.RedisError:
+            self._lost(error)
+            return
+        self.metrics.overflow_events.labels("stalled").inc()
+        log.info("a redis command timed out (%r), but redis answers: a stall here", error)
 
 
 

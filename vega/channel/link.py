@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -74,6 +75,27 @@ class Link:
 
     def redis_error(self, error: BaseException) -> None:
         self.on_error(error)
+
+    async def reach(self) -> tuple[float, int]:
+        """Wait until Redis answers (retrying with backoff) and every model's group is
+        there; the round trip of a steal until one is measured, and the server's clock (ms)."""
+        delay_s = 0.1
+        while True:
+            try:
+                pings = []
+                for _ in range(3):  # the least of three: one slow first ping is noise
+                    started = time.perf_counter()
+                    await self.cmd.ping()
+                    pings.append(time.perf_counter() - started)
+                seconds, micros = await self.cmd.time()
+                for model in self.models:
+                    await self.ensure_group(model)
+                # A steal's round trip: XADD, XREADGROUP, XADD, XREAD.
+                return 4 * min(pings), seconds * 1000 + micros // 1000
+            except rexc.RedisError as error:
+                log.debug("redis connect failed: %r; next try in %.1f s", error, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(5.0, delay_s * 2)
 
     async def ensure_group(self, model: str) -> None:
         try:
