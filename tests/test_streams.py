@@ -446,6 +446,22 @@ async def test_a_timeout_while_redis_answers_is_a_stall_here_not_an_outage(
     assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 0
 
 
+async def test_an_unclaimed_check_timed_out_in_a_stall_still_takes_its_batch_back(
+        runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis counts as up after the stall, so nothing takes every batch back: the one
+    whose check failed is taken back by the check itself, not left waiting on nobody."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+
+    async def timed_out(*args: Any, **kwargs: Any) -> Any:
+        raise rexc.TimeoutError("Timeout reading from redis")
+
+    monkeypatch.setattr(streams.cmd, "eval", timed_out)
+    batch, item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(batch, local_wait_s=0.05)
+    assert (await asyncio.wait_for(item.future, 2.0))[0] == pytest.approx(16.0)
+    assert streams.up
+
+
 async def test_a_timeout_while_redis_is_hung_is_an_outage(
         runtime: Runtime, redis_server: RedisServer) -> None:
     """Redis stopped (SIGSTOP: it holds its connections and answers nothing): the PING

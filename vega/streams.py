@@ -282,14 +282,14 @@ class Streams:
             claimed = await self.cmd.eval(DELETE_UNLESS_DELIVERED, 1, overflow_key(model),
                                           GROUP, handoff.entry_id)
         except rexc.RedisError as error:
-            self.redis_error(error)  # takes every pending batch back
-            return
+            claimed = None  # not known: taken back (a peer that runs it is answered late)
+            self.redis_error(error)
         took_s = loop.time() - asked_at  # up at once, down slowly: a burst comes back
         self._check_s = max(took_s, 0.8 * self._check_s + 0.2 * took_s)
         if key not in self._pending:
-            return  # answered meanwhile
-        if claimed == 1:  # deleted unread: no peer will run it
-            if not self._peer_runs_ours():
+            return  # answered meanwhile (or taken back: Redis away)
+        if claimed is None or claimed == 1:  # deleted unread: no peer will run it
+            if claimed == 1 and not self._peer_runs_ours():
                 self.heart.doubt(None)  # none was free to read it
             self._take_back(key, "unclaimed")
             return
