@@ -28,8 +28,10 @@ CLUSTER_ENV = {
     "VEGA_MAX_WAIT_MS": "2", "VEGA_LENGTH_BUCKETS": "16", "VEGA_HEARTBEAT_MS": "100",
     "VEGA_CLAIM_IDLE_MS": "1000", "VEGA_OVERFLOW_THRESHOLD_MS": "20",
 }
-# What a request may get besides its answer when Redis dies under it (DESIGN.md table).
-EXPLICIT = {"deadline_exceeded", "model_error"}
+# What a request may get besides its answer when Redis dies under it (DESIGN.md table): a
+# batch taken back too late for some items answers them 504, or 429 while their deadline
+# is still ahead.
+EXPLICIT = {"deadline_exceeded", "deadline_unmeetable", "model_error"}
 
 
 def peers_of(proc: VegaProcess) -> list[str]:
@@ -359,8 +361,7 @@ async def test_equal_load_through_nginx_does_not_bounce_batches(
     # A late answer (504) is allowed here, as a refusal is: what is under test is that
     # batches are not bounced between two equally loaded processes (the ledger below).
     assert counts["ok"] >= 0.95 * 240, counts
-    assert set(counts) <= {"ok", "queue_full", "shed", "deadline_exceeded",
-                           "deadline_unmeetable"}, counts
+    assert set(counts) <= {"ok", "queue_full", "shed"} | EXPLICIT - {"model_error"}, counts
     for proc in (a, b):
         assert metric(proc, "vega_requests_total") >= 60  # least_conn spread the callers
     assert sum(metric(p, "vega_requests_total") for p in (a, b)) == 240  # each answered once
