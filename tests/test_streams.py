@@ -462,6 +462,34 @@ async def test_an_unclaimed_check_timed_out_in_a_stall_still_takes_its_batch_bac
     assert streams.up
 
 
+async def test_a_hand_off_whose_xadd_timed_out_runs_here_and_no_peer_runs_it(
+        runtime: Runtime, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An XADD that timed out in a stall here may have reached the stream: the batch runs
+    here, and it is marked done, so a peer's thief that reads it does not run it too."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    real_xadd = streams.cmd.xadd
+
+    async def landed_but_timed_out(*args: Any, **kwargs: Any) -> Any:
+        await real_xadd(*args, **kwargs)
+        raise rexc.TimeoutError("Timeout reading from redis")
+
+    monkeypatch.setattr(streams.cmd, "xadd", landed_but_timed_out)
+    batch, item = one_window_batch(runtime, 3.0)
+    assert not await streams.offer(batch, local_wait_s=2.0)  # the caller runs it here
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        for _ in range(100):
+            done = await client.keys(done_key("echo", "*"))
+            if done:
+                break
+            await asyncio.sleep(0.01)
+        assert [await client.get(key) for key in done] == [b"solo"]
+        assert await client.xlen(overflow_key("echo")) == 1  # there, but marked done
+    finally:
+        await client.aclose()
+    assert streams.up and not item.future.done()
+
+
 async def test_a_timeout_while_redis_is_hung_is_an_outage(
         runtime: Runtime, redis_server: RedisServer) -> None:
     """Redis stopped (SIGSTOP: it holds its connections and answers nothing): the PING

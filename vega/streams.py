@@ -223,6 +223,8 @@ class Streams:
             handoff.timer.cancel()
             if self._pending.pop(key, None) is None:
                 return True  # already taken back by _lost
+            if isinstance(error, rexc.TimeoutError):  # it may have landed: no peer may run it
+                self._spawn(self._forget(batch.model, key, None, batch.deadline))
             self.redis_error(error)
             return False
         self.metrics.overflow.labels("out").inc()
