@@ -339,9 +339,9 @@ class Streams:
         # Dispatched again, as the batcher dispatches (rule 1): the items a run here can no
         # longer answer in time fail, the rest run (the timer left a margin for its lateness).
         now = asyncio.get_running_loop().time()
-        finish = now + batcher.times.predict(batch.bucket, batch.size)
+        finish, retry_s = now + batcher.times.predict(batch.bucket, batch.size), batcher.backlog_s()
         batch.fail_due_by(finish, lambda item: missed_deadline(
-            item.deadline, now, batcher.backlog_s(), "handed to a peer that did not answer"))
+            item.deadline, now, retry_s, "handed to a peer that did not answer"))
         if batch.items:
             # Our work again: the batcher counts it, or our idle thief would read the next
             # batch we hand off straight back too, and peers would idle.

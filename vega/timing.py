@@ -44,9 +44,9 @@ class BatchTimes:
         self.settle()
 
     def observe(self, bucket: int, size: int, seconds: float) -> None:
-        line = self._lines[bucket]
-        if line is not None and line.at(size) > 0:
-            self._ratios.append(min(DRIFT_CAP, seconds / line.at(size)))
+        expected_s = line.at(size) if (line := self._lines[bucket]) is not None else 0.0
+        if expected_s > 0:
+            self._ratios.append(min(DRIFT_CAP, seconds / expected_s))
             self.drift = sorted(self._ratios)[len(self._ratios) // 2]
         samples = self._samples[bucket]
         samples.append((size, seconds))
