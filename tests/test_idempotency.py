@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
 import pytest
+from redis import exceptions as rexc
 
 from tests.infra import RedisServer
 from tests.models import forwarded, window
 from tests.servers import VegaProcess
 from vega.calls import Reply
+from vega.channel.client import SideRedis, Unavailable
 from vega.errors import VegaError
 from vega.metrics import Metrics
 from vega.pressure.idempotency import Idempotency, fingerprint
@@ -124,3 +128,114 @@ async def test_repeats_across_two_processes_share_one_run_through_redis(
     conflict = post(a.url, orjson.dumps({"inputs": window(8, 0.9)}), "pay-7")
     assert conflict.status_code == 422
     assert sum(forwarded(log) for log in logs) == base + 1
+
+
+# -- a Redis command timed out: a stall here, or Redis away -----------------------------
+
+async def timed_out(_client: object) -> None:
+    raise rexc.TimeoutError("Timeout reading from redis")
+
+
+async def test_a_timeout_while_redis_answers_leaves_the_shared_tiers_on(
+        redis_server: RedisServer) -> None:
+    """A stall of this process (a burst's long loop turns) times out commands that Redis
+    answered: one PING tells it from Redis away, so the tiers are not skipped for it."""
+    side = SideRedis(redis_server.url, 0.1)
+    try:
+        with pytest.raises(Unavailable) as away:
+            await side.run(timed_out)
+        assert away.value.maybe_ran
+        for _ in range(100):
+            if side.stalls:
+                break
+            await asyncio.sleep(0.01)
+        assert side.stalls == 1 and side.up
+        assert await side.run(lambda r: r.set("after", b"1")) is True
+    finally:
+        await side.close()
+
+
+async def test_a_timeout_while_redis_is_hung_skips_it_for_a_while(
+        redis_server: RedisServer) -> None:
+    side = SideRedis(redis_server.url, 0.1)
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(Unavailable):
+            await side.run(lambda r: r.get("k"))
+        for _ in range(100):
+            if not side.up:
+                break
+            await asyncio.sleep(0.01)
+        assert not side.up and side.stalls == 0
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+        await side.close()
+    with pytest.raises(Unavailable) as skipped:
+        await side.run(lambda r: r.get("k"))
+    assert not skipped.value.maybe_ran  # skipped, not sent
+
+
+async def test_a_lock_whose_set_timed_out_still_gets_the_answer_for_peers(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SET NX landed but its reply came late: the attempt runs here and publishes its
+    answer over the lock, so a repeat on a peer replays it rather than waiting on a lock
+    that says "running" until it expires."""
+    import vega.pressure.idempotency as idempotency
+
+    real_set = idempotency._set_if_absent
+
+    async def landed_but_timed_out(client: Any, **kwargs: Any) -> bool:
+        await real_set(client, **kwargs)
+        raise rexc.TimeoutError("Timeout reading from redis")
+
+    here, peer = (Idempotency(60, 10, Metrics(), SideRedis(redis_server.url, 0.5))
+                  for _ in range(2))
+    deadline = asyncio.get_running_loop().time() + 1.0
+    try:
+        monkeypatch.setattr(idempotency, "_set_if_absent", landed_but_timed_out)
+        claim = await here.claim("m", "k", "fp", deadline)
+        monkeypatch.setattr(idempotency, "_set_if_absent", real_set)
+        assert claim.replay is None  # it runs here
+        await here.finish(claim, OK)
+        assert (await peer.claim("m", "k", "fp", deadline)).replay == OK
+    finally:
+        for store in (here, peer):
+            assert store.redis is not None
+            await store.redis.close()
+
+
+async def test_an_answer_never_replaces_a_lock_a_peer_holds(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SET NX that timed out without landing: a peer then takes the lock and runs too.
+    Our answer must not replace its lock; its own answer is what Redis keeps."""
+    import vega.pressure.idempotency as idempotency
+
+    real_set = idempotency._set_if_absent
+
+    async def lost(client: Any, **kwargs: Any) -> bool:
+        raise rexc.TimeoutError("Timeout reading from redis")
+
+    here, peer = (Idempotency(60, 10, Metrics(), SideRedis(redis_server.url, 0.5))
+                  for _ in range(2))
+    deadline = asyncio.get_running_loop().time() + 1.0
+    theirs = Reply(200, b'{"outputs":[2]}', {}, "ok")
+    try:
+        monkeypatch.setattr(idempotency, "_set_if_absent", lost)
+        ours = await here.claim("m", "k", "fp", deadline)
+        monkeypatch.setattr(idempotency, "_set_if_absent", real_set)
+        running = await peer.claim("m", "k", "fp", deadline)
+        assert ours.replay is None and running.replay is None and running.token
+        await here.finish(ours, OK)
+        assert peer.redis is not None
+        held = await peer.redis.run(lambda r: r.get(running.redis_key))
+        assert held == running.token  # still the peer's lock
+        await peer.finish(running, theirs)
+        third = Idempotency(60, 10, Metrics(), SideRedis(redis_server.url, 0.5))
+        assert (await third.claim("m", "k", "fp", deadline)).replay == theirs
+        assert third.redis is not None
+        await third.redis.close()
+    finally:
+        for store in (here, peer):
+            assert store.redis is not None
+            await store.redis.close()

@@ -9,11 +9,14 @@ as all keys of one command, transaction or script share a slot (vega/channel/key
 The request path never waits on Redis longer than ``VEGA_REDIS_TIMEOUT_MS``: the
 client's socket timeout bounds every command, so no await is ever cancelled or wrapped
 in ``wait_for`` (a cancelled redis-py command drops its connection). After a failure a
-side tier is skipped for a short while and the caller works locally.
+side tier is skipped for a short while and the caller works locally; after a timeout,
+only once a PING has confirmed that Redis does not answer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
@@ -27,6 +30,8 @@ from redis.backoff import ExponentialBackoff
 
 from vega.channel.url import CLUSTER, SENTINEL, parse_redis_url
 
+log = logging.getLogger("vega.channel")
+
 T = TypeVar("T")
 Client: TypeAlias = "Redis | RedisCluster"
 
@@ -39,7 +44,13 @@ CONNECTION_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownEr
 
 
 class Unavailable(Exception):
-    """Redis did not answer in time (or recently failed): work locally."""
+    """Redis did not answer in time (or recently failed): work locally.
+
+    ``maybe_ran``: the command was sent and timed out, so Redis may have run it."""
+
+    def __init__(self, maybe_ran: bool = False) -> None:
+        super().__init__()
+        self.maybe_ran = maybe_ran
 
 
 def connect(url: str, timeout_s: float, *, connect_timeout_s: float | None = None,
@@ -119,7 +130,9 @@ class SideRedis:
     def __init__(self, url: str, timeout_s: float) -> None:
         self.client = connect(url, timeout_s)
         self._down_until = 0.0
+        self._confirming: asyncio.Task[None] | None = None
         self.failures = 0
+        self.stalls = 0  # timeouts that a PING then showed were this process's own
 
     @property
     def up(self) -> bool:
@@ -131,10 +144,35 @@ class SideRedis:
             raise Unavailable()
         try:
             return await op(self.client)
+        except rexc.TimeoutError as exc:
+            # As often this process's own stall (a burst's long loop turns) as Redis away,
+            # and a stall must not turn the shared tiers off for everyone here: one PING
+            # tells the two apart.
+            self.failures += 1
+            if self._confirming is None:
+                self._confirming = asyncio.ensure_future(self._confirm(exc))
+            raise Unavailable(maybe_ran=True) from exc
         except (rexc.RedisError, OSError) as exc:
             self.failures += 1
-            self._down_until = time.monotonic() + DOWN_FOR_S
+            self._down()
             raise Unavailable() from exc
 
+    def _down(self) -> None:
+        self._down_until = time.monotonic() + DOWN_FOR_S
+
+    async def _confirm(self, error: Exception) -> None:
+        try:
+            await self.client.ping()
+        except (rexc.RedisError, OSError):
+            self._down()
+        else:
+            self.stalls += 1
+            log.info("a redis command timed out (%r), but redis answers: a stall here", error)
+        finally:
+            self._confirming = None
+
     async def close(self) -> None:
+        if (confirming := self._confirming) is not None:
+            confirming.cancel()
+            await asyncio.gather(confirming, return_exceptions=True)
         await self.client.aclose()

@@ -11,10 +11,11 @@ caller went away, is not remembered: a retry with that key is a fresh attempt.
 In one process, waiters hold the first attempt's future. Across processes, through
 Redis when ``VEGA_REDIS_URL`` is set: the first attempt takes
 ``vega:{model}:idem:<digest>`` with ``SET NX PX`` (expiring with its deadline, so a
-dead owner frees it), replaces it with the stored answer when done, and deletes it
-(only if still its own) when not remembered. A repeat on another process reads that
-key, polling with a short backoff while it says "running". Values are orjson; when
-Redis is away each process keeps its own keys.
+dead owner frees it), replaces it with the stored answer when done (unless a peer holds
+it by then), and deletes it (only if still its own) when not remembered. A ``SET NX``
+that timed out may have landed: the attempt then runs here and publishes all the same.
+A repeat on another process reads that key, polling with a short backoff while it says
+"running". Values are orjson; when Redis is away each process keeps its own keys.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ LOCK_MARGIN_S = 2.0  # a running attempt's Redis lock outlives its deadline by t
 
 _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+# The answer replaces our lock, or a lock gone; never a peer's (it publishes its own).
+_PUBLISH = """
+local held = redis.call('get', KEYS[1])
+if held == false or held == ARGV[1] then
+  return redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3])
+end
 return 0
 """
 
@@ -177,12 +186,19 @@ class Idempotency:
             try:
                 taken = await self.redis.run(functools.partial(
                     _set_if_absent, key=rkey, value=token, px=lock_ms))
-                if taken:
+            except Unavailable as away:
+                if away.maybe_ran:
+                    # The lock may be ours: the answer is then published over it (or the
+                    # lock released), not left "running" to hold peers' repeats till it expires.
                     claim.token, claim.redis_key = token, rkey
-                    return None
+                return None  # run here; this process alone remembers the key
+            if taken:
+                claim.token, claim.redis_key = token, rkey
+                return None
+            try:
                 raw = await self.redis.run(lambda r: r.get(rkey))
             except Unavailable:
-                return None  # run here; this process alone remembers the key
+                return None
             if raw is None:
                 continue  # released or expired between SET and GET: try again
             doc = orjson.loads(raw)
@@ -205,7 +221,7 @@ class Idempotency:
                 value = orjson.dumps({"fp": claim.entry.fingerprint if claim.entry else "",
                                       "state": "done", "reply": reply.encode()})
                 ttl_ms = max(1, int(1000 * self.ttl_s))
-                await self.redis.run(lambda r: r.set(rkey, value, px=ttl_ms))
+                await self.redis.run(lambda r: r.eval(_PUBLISH, 1, rkey, token, value, ttl_ms))
         except Unavailable:
             pass  # the lock expires with the attempt's deadline; this process remembers
 
