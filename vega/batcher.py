@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ log = logging.getLogger("vega.batcher")
 FORM_AHEAD = 0.3
 FORM_AHEAD_MIN_S = 0.002
 FORM_AHEAD_DEEP_S = 0.004
+SWEEP_S = 0.005  # how often the queue's heads are checked against their deadlines
 
 INLINE, JOBS = slice(0, JOB), slice(JOB, JOB + 1)
 
@@ -83,7 +85,7 @@ class BatcherConfig:
 class Batcher(Queues):
     def __init__(self, config: BatcherConfig, sink: Sink,
                  on_batch_done: BatchObserver | None = None) -> None:
-        super().__init__(len(config.buckets))
+        super().__init__(len(config.buckets), config.standing_after_s)
         self.config = config
         self.times = BatchTimes(len(config.buckets))
         self.rate = ServiceRate(config.parallelism)
@@ -92,8 +94,7 @@ class Batcher(Queues):
         self._wake = asyncio.Event()
         self._running = False  # while run() is looping
         self._inflight = Inflight(config.parallelism)
-        self._shed_at: float | None = None  # when a standing queue last shed a stale item
-        self._drained_at: float | None = None  # when a batch last emptied its inline buckets
+        self._swept_at, self._next_last_call = -math.inf, math.inf  # see _last_calls
         self.padded_steps = 0  # padding run through the model so far, in timesteps
         self.batch_steps = 0  # every timestep run, padding included
 
@@ -136,31 +137,6 @@ class Batcher(Queues):
                 return index
         return len(self.config.buckets) - 1
 
-    def standing(self, now: float) -> bool:
-        """The queue has not emptied for an interval (rule 5): admission keeps it short."""
-        since = self._nonempty_since
-        return since is not None and now - since > self.config.standing_after_s
-
-    def behind(self, now: float) -> bool:
-        """A standing queue in which no batch formed within the interval took every item
-        of its buckets: the batches are not keeping up, so stale items are shed.
-
-        With length buckets the queue as a whole may never empty under a load the server
-        carries: each bucket waits its turn and is emptied by its batch, and an item that
-        waits a little past the interval for that turn is still served."""
-        drained = self._drained_at
-        return self.standing(now) and \
-            (drained is None or now - drained > self.config.standing_after_s)
-
-    def newest_first(self, now: float) -> bool:
-        """While a standing queue has shed within the interval: newest first (rule 5).
-
-        A load the server carries can keep the queue from emptying with no item waiting
-        out the interval; newest first would make its oldest wait it out and be shed."""
-        shed_at = self._shed_at
-        return shed_at is not None and now - shed_at < self.config.standing_after_s \
-            and self.behind(now)
-
     async def wait_idle(self) -> None:
         """Return once nothing is queued or in flight (for drain)."""
         while any(self._depth) or self._inflight:
@@ -172,7 +148,11 @@ class Batcher(Queues):
         """Queue an admitted item; its future is answered exactly once from here on."""
         loop = asyncio.get_running_loop()
         item.enqueued_at = loop.time()
-        self._queues[item.bucket][item.priority].append(item)
+        queue = self._queues[item.bucket][item.priority]
+        if not queue and item.priority != JOB:  # a new head: its last call may come first
+            last_call = item.deadline - self._last_call_lead(item.bucket)
+            self._next_last_call = min(self._next_last_call, last_call)
+        queue.append(item)
         self._count(item, +1)
         item.future.add_done_callback(functools.partial(self._left_queue, item))
         self._wake.set()
@@ -223,11 +203,13 @@ class Batcher(Queues):
         (see ``_finished``). None: nothing falls due by time alone; an event wakes the loop.
         """
         loop = asyncio.get_running_loop()
+        wake_at: float | None = None
         while len(self._inflight) < self.config.max_inflight:
             now = loop.time()
             bucket, wake_at = self._pick(now)
             if bucket is None:
-                return wake_at
+                break
+            wake_at = None
             batch: Batch | None = None
             try:
                 batch = self._form(bucket, now)
@@ -240,7 +222,30 @@ class Batcher(Queues):
                 if batch is not None:
                     batch.fail(VegaError("model_error", "internal error forming batch"))
                 return now  # look again once pending callbacks have run, not in a tight loop
-        return None
+        last_call = self._last_calls(loop.time())
+        if last_call is None or (wake_at is not None and wake_at <= last_call):
+            return wake_at
+        return last_call
+
+    def _last_calls(self, now: float) -> float | None:
+        """Rule 1 once more, for what waits: an item that can no longer make its deadline
+        is refused now (429; 504 once it has passed), not left to expire in the queue. The
+        lead counts the loop's lateness too, or a busy loop would get there only after.
+        Looked at when the first last call falls due, and (the lead grows with a burst) as
+        the loop passes by, once per SWEEP_S at most. Returns the next last call once it is
+        within an interval (until then every enqueue and batch end passes by: no timer)."""
+        if not self.depth():
+            self._next_last_call = math.inf
+        elif now >= self._next_last_call or now >= self._swept_at + SWEEP_S:
+            self._swept_at = now
+            self._next_last_call = self.refuse_hopeless(
+                now, self._last_call_lead,
+                lambda item: missed_deadline(item.deadline, now, self.backlog_s()))
+        return self._next_last_call if self._next_last_call < now + self.standing_after_s \
+            else None
+
+    def _last_call_lead(self, bucket: int) -> float:
+        return self.times.predict(bucket, 1) + SWEEP_S
 
     def _pick(self, now: float) -> tuple[int | None, float | None]:
         """The bucket to dispatch now (top class at its head, then oldest), or when to look next."""
@@ -311,7 +316,8 @@ class Batcher(Queues):
     def _form(self, bucket: int, now: float) -> Batch:
         behind = self.behind(now)
         if behind:
-            self._sweep_stale(bucket, now)
+            self.shed_waited(bucket, now - self.config.standing_after_s,
+                             lambda: self._shed(now))
         lifo = self.newest_first(now)
         shares = self._shares(bucket)
         top = max(shares)
@@ -378,22 +384,6 @@ class Batcher(Queues):
                 else:
                     items.append(item)
                     taken += 1
-
-    def _sweep_stale(self, bucket: int, now: float) -> None:
-        """Answer non-critical items that waited past the interval at the old end.
-
-        Serving newest first leaves the oldest at the front; without this they would
-        hold their places (and make the bucket look oldest) until their deadline."""
-        oldest_allowed = now - self.config.standing_after_s
-        for priority, queue in enumerate(self._queues[bucket][:JOB]):
-            if priority == CRITICAL:
-                continue
-            while queue and (not queue[0].live or queue[0].enqueued_at < oldest_allowed):
-                item = queue.popleft()
-                if item.live:
-                    self._count(item, -1)
-                    item.dispatched_at = now
-                    item.future.set_exception(self._shed(now))
 
     def _shed(self, now: float) -> VegaError:
         self._shed_at = now

@@ -2,20 +2,25 @@
 counts kept of them as items come and go.
 
 ``Batcher`` builds on this; what admission, metrics and status read of the queue (depth
-per class, depth per bucket, the oldest item, whether inline work waits) is kept here,
-so the batcher module holds only the loop that forms and dispatches batches.
+per class, depth per bucket, the oldest item, whether inline work waits, whether the queue
+stands: rule 5) is kept here, and the answers given to items that leave it unrun (stale,
+or past their last call), so the batcher module holds only the loop that forms and
+dispatches batches.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
+from collections.abc import Callable
 
-from vega.records import CLASS_NAMES, JOB, Item
+from vega.records import CLASS_NAMES, CRITICAL, JOB, Item
 
 
 class Queues:
-    def __init__(self, buckets: int) -> None:
+    def __init__(self, buckets: int, standing_after_s: float) -> None:
+        self.standing_after_s = standing_after_s  # the CoDel interval (DESIGN.md rule 5)
         self._queues = [[deque[Item]() for _ in CLASS_NAMES] for _ in range(buckets)]
         self._bucket_depth = [0] * buckets  # inline items only
         self._job_bucket_depth = [0] * buckets
@@ -27,10 +32,37 @@ class Queues:
         self._nonempty_since: float | None = None  # since when inline items have waited
         self._idle = asyncio.Event()  # set while nothing is queued or in flight
         self._idle.set()
+        self._shed_at: float | None = None  # when a standing queue last shed a stale item
+        self._drained_at: float | None = None  # when a batch last emptied its inline buckets
 
     def depth(self, priority: int | None = None) -> int:
         """Items queued of ``priority``, or of every inline class (job items apart)."""
         return sum(self._depth[:JOB]) if priority is None else self._depth[priority]
+
+    def standing(self, now: float) -> bool:
+        """The queue has not emptied for an interval (rule 5): admission keeps it short."""
+        since = self._nonempty_since
+        return since is not None and now - since > self.standing_after_s
+
+    def behind(self, now: float) -> bool:
+        """A standing queue in which no batch formed within the interval took every item
+        of its buckets: the batches are not keeping up, so stale items are shed.
+
+        With length buckets the queue as a whole may never empty under a load the server
+        carries: each bucket waits its turn and is emptied by its batch, and an item that
+        waits a little past the interval for that turn is still served."""
+        drained = self._drained_at
+        return self.standing(now) and \
+            (drained is None or now - drained > self.standing_after_s)
+
+    def newest_first(self, now: float) -> bool:
+        """While a standing queue has shed within the interval: newest first (rule 5).
+
+        A load the server carries can keep the queue from emptying with no item waiting
+        out the interval; newest first would make its oldest wait it out and be shed."""
+        shed_at = self._shed_at
+        return shed_at is not None and now - shed_at < self.standing_after_s \
+            and self.behind(now)
 
     async def wait_no_inline(self) -> None:
         """Return once no inline item is queued: when the async lane may feed job items."""
@@ -54,6 +86,45 @@ class Queues:
         """When the oldest live item of ``priority`` was queued (loop clock), or None."""
         heads = (first_live(queues[priority]) for queues in self._queues)
         return min((item.enqueued_at for item in heads if item is not None), default=None)
+
+    def refuse_hopeless(self, now: float, lead: Callable[[int], float],
+                        refusal: Callable[[Item], BaseException]) -> float:
+        """Answer ``refusal(item)`` to each inline item at the head of its queue that could
+        not end by its deadline even if a batch of its bucket took it now (``lead(bucket)``
+        seconds ahead of it); return when the next head reaches that point (inf: none).
+
+        Only heads are looked at, so this costs a few steps per bucket: a deque is in
+        arrival order, which is deadline order for callers who ask the same deadline."""
+        next_at = math.inf
+        for bucket, queues in enumerate(self._queues):
+            if not self._bucket_depth[bucket]:
+                continue
+            ahead = lead(bucket)
+            for queue in queues[:JOB]:
+                while (item := first_live(queue)) is not None:
+                    if item.deadline - ahead > now:
+                        next_at = min(next_at, item.deadline - ahead)
+                        break
+                    queue.popleft()
+                    self._count(item, -1)
+                    item.future.set_exception(refusal(item))
+        return next_at
+
+    def shed_waited(self, bucket: int, since: float, refusal: Callable[[], BaseException]
+                    ) -> None:
+        """Answer ``refusal()`` to the non-critical items of ``bucket`` queued before
+        ``since``, at the old end of each queue.
+
+        Serving newest first leaves the oldest at the front; without this they would
+        hold their places (and make the bucket look oldest) until their deadline."""
+        for priority, queue in enumerate(self._queues[bucket][:JOB]):
+            if priority == CRITICAL:
+                continue
+            while queue and (not queue[0].live or queue[0].enqueued_at < since):
+                item = queue.popleft()
+                if item.live:
+                    self._count(item, -1)
+                    item.future.set_exception(refusal())
 
     def _count(self, item: Item, sign: int) -> None:
         item.counted = sign > 0

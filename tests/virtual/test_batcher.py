@@ -303,6 +303,33 @@ async def test_a_batch_formed_ahead_refuses_items_its_wait_would_make_late(runni
     await asyncio.wait_for(asyncio.gather(*(i.future for i in first)), 5)
 
 
+async def test_an_item_that_can_no_longer_make_its_deadline_is_refused_while_it_waits(
+        running: Start) -> None:
+    """Still queued behind a batch that runs past its last call, an item is refused then,
+    with its deadline still ahead (429 ``deadline_unmeetable``, a Retry-After), and leaves
+    the queue: not left to expire there into a 504 at the deadline."""
+    sink = RecordingSink()
+    sink.gate.clear()
+    batcher, _ = running(sink, dispatch_when_idle=True, max_inflight=1, max_batch_size=4,
+                         standing_after_s=60.0)
+    for size in (1, 4):
+        batcher.times.observe(0, size, 0.05 * size)  # a batch of one: 0.05 s
+    first = [item(batcher) for _ in range(4)]
+    await asyncio.wait_for(_until(lambda: len(sink.batches) == 1), 5)
+    late = [item(batcher, deadline_s=0.3) for _ in range(2)]
+    kept = item(batcher, deadline_s=10.0)
+    await asyncio.wait_for(_until(lambda: all(i.future.done() for i in late)), 5)
+    now = asyncio.get_running_loop().time()
+    assert all(now < i.deadline for i in late)
+    errors = [i.future.exception() for i in late]
+    assert all(isinstance(e, VegaError) and e.code == "deadline_unmeetable" and e.status == 429
+               and e.retry_after_ms is not None for e in errors)
+    assert batcher.depth() == 1 and not kept.future.done()
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in first + [kept])), 5)
+    assert [b.size for b in sink.batches] == [4, 1]
+
+
 async def test_held_full_batches_fall_due_together_and_the_oldest_goes(running: Start) -> None:
     # How far ahead comes from the batch that frees the thread, not from each candidate:
     # otherwise a long bucket's batch (long predicted time, long lead) always fell due first.
@@ -402,7 +429,8 @@ async def test_a_bucket_that_waited_an_interval_goes_before_fresh_critical_ones(
     assert error is None or (isinstance(error, VegaError) and error.code == "shed")
 
 
-async def test_expired_items_are_answered_504_and_never_run(running: Start) -> None:
+async def test_an_item_that_cannot_make_its_deadline_is_refused_and_never_run(
+        running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()
     batcher, _ = running(sink, max_inflight=1, max_batch_size=1)
@@ -414,7 +442,8 @@ async def test_expired_items_are_answered_504_and_never_run(running: Start) -> N
     await asyncio.wait_for(first.future, 5)
     with pytest.raises(VegaError) as caught:
         await asyncio.wait_for(doomed.future, 5)
-    assert caught.value.code == "deadline_exceeded" and caught.value.status == 504
+    # At its last call, with its deadline still ahead: refused, not expired.
+    assert caught.value.code == "deadline_unmeetable" and caught.value.status == 429
     ran = [i.id for b in sink.batches for i in b.items]
     assert doomed.id not in ran
 
