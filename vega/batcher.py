@@ -229,11 +229,11 @@ class Batcher(Queues):
 
     def _last_calls(self, now: float) -> float | None:
         """Rule 1 once more, for what waits: an item that can no longer make its deadline
-        is refused now (429; 504 once it has passed), not left to expire in the queue. The
-        lead counts the loop's lateness too, or a busy loop would get there only after.
-        Looked at when the first last call falls due, and (the lead grows with a burst) as
-        the loop passes by, once per SWEEP_S at most. Returns the next last call once it is
-        within an interval (until then every enqueue and batch end passes by: no timer)."""
+        is refused now (429; 504 once it has passed), not left to expire in the queue: its
+        last call leaves a batch of one's predicted time and SWEEP_S. Looked at when the
+        first last call falls due and, as the drift moves the lead, when the loop passes by,
+        once per SWEEP_S at most. Returns the next last call once it is within an interval
+        (until then every enqueue and batch end passes by: no timer)."""
         if not self.depth():
             self._next_last_call = math.inf
         elif now >= self._next_last_call or now >= self._swept_at + SWEEP_S:
