@@ -146,10 +146,10 @@ async def test_a_timeout_while_redis_answers_leaves_the_shared_tiers_on(
             await side.run(timed_out)
         assert away.value.maybe_ran
         for _ in range(100):
-            if side.stalls:
+            if side.timeouts.stalls:
                 break
             await asyncio.sleep(0.01)
-        assert side.stalls == 1 and side.up
+        assert side.timeouts.stalls == 1 and side.up
         assert await side.run(lambda r: r.set("after", b"1")) is True
     finally:
         await side.close()
@@ -167,7 +167,7 @@ async def test_a_timeout_while_redis_is_hung_skips_it_for_a_while(
             if not side.up:
                 break
             await asyncio.sleep(0.01)
-        assert not side.up and side.stalls == 0
+        assert not side.up and side.timeouts.stalls == 0
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)
         await side.close()

@@ -24,7 +24,7 @@ from typing import Any
 from redis import exceptions as rexc
 
 from vega.admission import PENDING_PER_SPARE
-from vega.channel.client import CONNECTION_ERRORS
+from vega.channel.client import CONNECTION_ERRORS, StallCheck
 from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
@@ -80,7 +80,8 @@ class Streams:
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
         self._connecting: asyncio.Task[None] | None = None
-        self._confirming: asyncio.Future[Any] | None = None  # a timeout's PING to Redis
+        self._timeouts = StallCheck(lambda: self.cmd.ping(), self._lost,
+                                    metrics.overflow_events.labels("stalled").inc, self._spawn)
         self._reply_from = "$"
         self.rtt_s = 0.005  # replaced by measurements
         self._check_s = 0.0  # an unclaimed check's round trip: the longest lately seen
@@ -426,24 +427,9 @@ class Streams:
 
     def redis_error(self, error: BaseException) -> None:
         if isinstance(error, rexc.TimeoutError):
-            # A stall of this process (a burst's long loop turns, a collection) times out
-            # every command in flight across it though Redis answered; one PING tells it
-            # from Redis away before every batch out is taken back.
-            if self.up and (self._confirming is None or self._confirming.done()):
-                self._confirming = self._spawn(self._confirm_lost(error))
+            if self.up:  # a stall here, or Redis away: one PING before every batch comes back
+                self._timeouts.timed_out(error)
         elif isinstance(error, CONNECTION_ERRORS):
             self._lost(error)
         else:
             log.error("redis refused a command: %r", error)
-
-    async def _confirm_lost(self, error: BaseException) -> None:
-        try:
-            await self.cmd.ping()
-        except rexc.RedisError:
-            self._lost(error)
-            return
-        self.metrics.overflow_events.labels("stalled").inc()
-        log.info("a redis command timed out (%r), but redis answers: a stall here", error)
-
-
-

@@ -124,15 +124,50 @@ class _ClusterPipeline(ClusterPipeline):
             raise _closed_under(error) from error
 
 
+class StallCheck:
+    """Whether a command that timed out met Redis away or a stall of this process.
+
+    A stall (a burst's long loop turns, a collection) times out every command in flight
+    across it though Redis answered, and acting on it as an outage (taking every hand-off
+    back, skipping the shared tiers) costs more than the stall did. One PING at a time
+    decides: unanswered, ``lost(error)``; answered, ``stalled()``."""
+
+    def __init__(self, ping: Callable[[], Awaitable[Any]],
+                 lost: Callable[[BaseException], None], stalled: Callable[[], None] = lambda: None,
+                 spawn: Callable[[Awaitable[None]], asyncio.Future[Any]] = asyncio.ensure_future
+                 ) -> None:
+        self._ping, self._lost, self._stalled, self._spawn = ping, lost, stalled, spawn
+        self._checking: asyncio.Future[Any] | None = None
+        self.stalls = 0
+
+    def timed_out(self, error: BaseException) -> None:
+        if self._checking is None or self._checking.done():
+            self._checking = self._spawn(self._check(error))
+
+    async def _check(self, error: BaseException) -> None:
+        try:
+            await self._ping()
+        except (rexc.RedisError, OSError):
+            self._lost(error)
+            return
+        self.stalls += 1
+        self._stalled()
+        log.info("a redis command timed out (%r), but redis answers: a stall here", error)
+
+    async def close(self) -> None:
+        if (checking := self._checking) is not None and not checking.done():
+            checking.cancel()
+            await asyncio.gather(checking, return_exceptions=True)
+
+
 class SideRedis:
     """One client for the side tiers, and whether it is worth asking right now."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
         self.client = connect(url, timeout_s)
         self._down_until = 0.0
-        self._confirming: asyncio.Task[None] | None = None
         self.failures = 0
-        self.stalls = 0  # timeouts that a PING then showed were this process's own
+        self.timeouts = StallCheck(lambda: self.client.ping(), lambda _error: self._down())
 
     @property
     def up(self) -> bool:
@@ -145,12 +180,8 @@ class SideRedis:
         try:
             return await op(self.client)
         except rexc.TimeoutError as exc:
-            # As often this process's own stall (a burst's long loop turns) as Redis away,
-            # and a stall must not turn the shared tiers off for everyone here: one PING
-            # tells the two apart.
             self.failures += 1
-            if self._confirming is None:
-                self._confirming = asyncio.ensure_future(self._confirm(exc))
+            self.timeouts.timed_out(exc)  # a stall here must not turn the tiers off
             raise Unavailable(maybe_ran=True) from exc
         except (rexc.RedisError, OSError) as exc:
             self.failures += 1
@@ -160,19 +191,6 @@ class SideRedis:
     def _down(self) -> None:
         self._down_until = time.monotonic() + DOWN_FOR_S
 
-    async def _confirm(self, error: Exception) -> None:
-        try:
-            await self.client.ping()
-        except (rexc.RedisError, OSError):
-            self._down()
-        else:
-            self.stalls += 1
-            log.info("a redis command timed out (%r), but redis answers: a stall here", error)
-        finally:
-            self._confirming = None
-
     async def close(self) -> None:
-        if (confirming := self._confirming) is not None:
-            confirming.cancel()
-            await asyncio.gather(confirming, return_exceptions=True)
+        await self.timeouts.close()
         await self.client.aclose()
