@@ -128,3 +128,36 @@ def encoder_wide(name: str) -> SequenceModel:
 
     return SequenceModel(build_module(width=256, layers=6, heads=4, seed=3), name,
                          channels=8, max_length=512, output_size=4)
+
+
+
+def _per_step_module(per_patch: bool = False) -> Any:
+    """A user's per-timestep labeller, an eager module: [B, L, 8] -> [B, L, 3]. Each step's
+    output reads that step and the one before, so the rows past a window's length in a
+    padded batch answer only the padding. ``per_patch``: one row per 8 steps instead."""
+    import torch
+
+    class PerStep(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            before = torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+            steps: torch.Tensor = self.linear(x) + self.linear(before)
+            return steps[:, ::8] if per_patch else steps
+
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(5)
+    try:
+        return PerStep().eval()
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def per_step(name: str) -> SequenceModel:
+    return SequenceModel(_per_step_module(), name, channels=8, max_length=512)
+
+
+def per_patch(name: str) -> SequenceModel:
+    return SequenceModel(_per_step_module(per_patch=True), name, channels=8, max_length=512)

@@ -16,13 +16,13 @@ import orjson
 import pytest
 
 from tests.infra import unavailable
-from tests.models import FAIL_MARK, echo, encoder, window
+from tests.models import FAIL_MARK, echo, encoder, per_patch, per_step, window
 from tests.servers import VegaProcess, metric, served_device, wait_until
 from tests.virtual.test_batcher import config, item
 from vega.batcher import Batcher
 from vega.errors import VegaError
 from vega.executor import Executor
-from vega.modelproc import ProcessPlan
+from vega.modelproc import ModelProcessError, ProcessPlan
 from vega.models import SequenceModel, load_model
 from vega.records import Batch, Item
 
@@ -63,6 +63,40 @@ def test_each_way_gives_the_models_own_outputs(
         alone = reference.run([sample], sample.shape[0])[0]
         assert output.dtype == np.float32
         np.testing.assert_allclose(output, alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("way", ["thread", "process"])
+def test_each_way_cuts_a_per_step_output_to_each_windows_length(way: str) -> None:
+    model = per_step("labeller")
+    spec = "python:tests.models:per_step"
+    executor = Executor({"labeller": model}, torch_threads=1,
+                        plan=plan(spec, "labeller") if way == "process" else None)
+    executor.load(DEVICE)
+    try:
+        # A model process found it: this process's metadata says so all the same.
+        assert model.outputs[0].shape == (-1, 3)
+        reference = per_step("reference")
+        reference.load(DEVICE)
+        rng = np.random.default_rng(3)
+        samples = [model.decode(rng.standard_normal((n, 8)).tolist())[0]
+                   for n in (1, 7, 16, 33, 200)]
+        outputs, _ = executor.run_sync("labeller", samples, 200)
+        for sample, output in zip(samples, outputs):
+            assert output.shape == (sample.shape[0], 3)
+            np.testing.assert_allclose(output, reference.run([sample], sample.shape[0])[0],
+                                       atol=1e-5)
+    finally:
+        executor.shutdown()
+
+
+def test_a_model_process_refuses_an_output_it_cannot_cut_back() -> None:
+    executor = Executor({"patches": per_patch("patches")}, torch_threads=1,
+                        plan=plan("python:tests.models:per_patch", "patches"))
+    try:
+        with pytest.raises(ModelProcessError, match="not one row per step"):
+            executor.load(DEVICE)
+    finally:
+        executor.shutdown()
 
 
 def echo_batch(model: SequenceModel, first: float = 0.5, size: int = 1) -> Batch:

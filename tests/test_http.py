@@ -3,6 +3,7 @@ DESIGN.md. Socket-level behaviour (a 413 before the body is read) is in test_hos
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -182,3 +183,18 @@ async def test_status_models_metrics_and_health(echo: httpx.AsyncClient) -> None
                  "vega_inference_seconds", "vega_request_seconds", "vega_inflight_batches",
                  "vega_service_rate_items_per_second", "vega_redis_up"):
         assert f"# TYPE {name} " in metrics, name
+
+
+async def test_a_per_step_model_answers_each_window_with_its_own_rows() -> None:
+    # A user's eager module answering one row per step, in its model process (the default):
+    # batched with longer windows, each answer still holds its own window's rows, no more.
+    env = {"VEGA_MODEL": "python:tests.models:per_step", "VEGA_MAX_WAIT_MS": "20"}
+    async with in_process(env) as (client, _):
+        lengths = [3, 11, 40]
+        answers = await asyncio.gather(*(post(client, {"inputs": window(n)}) for n in lengths))
+        assert [len(outputs_of(answer)) for answer in answers] == lengths
+        assert {len(row) for answer in answers for row in outputs_of(answer)} == {3}
+        both = outputs_of(await post(client, {"instances": [window(2), window(9)]}))
+        assert [len(rows) for rows in both] == [2, 9]
+        metadata = (await client.get("/v2/models/per_step")).json()
+        assert metadata["outputs"][0]["shape"] == [-1, -1, 3]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.models import per_patch, per_step
 from vega.errors import VegaError
 from vega.models import SequenceModel, load_model
 from vega.models.loader import ModelLoadError
@@ -99,6 +100,48 @@ def test_outputs_do_not_depend_on_batch_mates(sensor: SequenceModel) -> None:
     batched = sensor.run(samples, 200)
     for sample, row in zip(samples, batched):
         np.testing.assert_allclose(sensor.run([sample], sample.shape[0])[0], row, atol=1e-5)
+
+
+def test_a_per_step_output_is_cut_back_to_each_windows_length() -> None:
+    model = per_step("labeller")
+    model.load("cpu")
+    assert model.per_step and model.outputs[0].shape == (-1, 3)
+    rng = np.random.default_rng(1)
+    samples = [model.decode(rng.standard_normal((n, 8)).tolist())[0] for n in (1, 9, 64, 200)]
+    batched = model.run(samples, 200)
+    for sample, rows in zip(samples, batched):
+        assert rows.shape == (sample.shape[0], 3)
+        np.testing.assert_allclose(rows, model.run([sample], sample.shape[0])[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [16, 32])
+def test_an_output_as_long_as_a_probed_window_is_still_one_per_window(size: int) -> None:
+    class Fixed(torch.nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.sum(dim=(1, 2))[:, None].expand(x.shape[0], size)
+
+    model = SequenceModel(Fixed(), "fixed", channels=8, max_length=64)
+    model.load("cpu")
+    assert not model.per_step
+    rows = model.run([np.ones((3, 8), np.float32), np.ones((20, 8), np.float32)], 20)
+    assert [row.shape for row in rows] == [(size,), (size,)]
+    np.testing.assert_allclose(rows[0], 24.0)
+
+
+def test_an_output_that_follows_the_length_otherwise_is_refused_at_load() -> None:
+    model = per_patch("patches")
+    shapes = r"\[2, 3\] at 16 steps, \[4, 3\] at 32"
+    with pytest.raises(ValueError, match=shapes + ".*not one row per step"):
+        model.load("cpu")
+
+
+def test_a_module_answering_anything_but_one_tensor_is_refused_at_load() -> None:
+    class Pair(torch.nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return x.sum(dim=1), x.mean(dim=1)
+
+    with pytest.raises(TypeError, match="returned a tuple, not a tensor"):
+        SequenceModel(Pair(), "pair", channels=8, max_length=64).load("cpu")
 
 
 def test_weights_are_fixed_by_seed() -> None:

@@ -159,6 +159,17 @@ class Executor:
             for lane in process.lanes:
                 self._runners.put(lane)
                 self._free.append(lane)
+        self._adopt_output_shapes(self.processes[0].output_shapes)
+
+    def _adopt_output_shapes(self, shapes: Mapping[str, list[list[int]]]) -> None:
+        """The output shapes the model processes found loading the models (whether a model
+        answers one row per step), for this process's metadata."""
+        for name, model_shapes in shapes.items():
+            adapter = self.models.get(name)
+            if adapter is not None and len(model_shapes) == len(adapter.outputs):
+                adapter.outputs = tuple(
+                    dataclasses.replace(spec, shape=tuple(int(n) for n in shape))
+                    for spec, shape in zip(adapter.outputs, model_shapes))
 
     @property
     def available(self) -> bool:

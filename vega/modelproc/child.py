@@ -64,7 +64,11 @@ def main(argv: list[str]) -> int:
         conn.send_bytes(orjson.dumps({"ready": False,
                                       "error": f"{type(error).__name__}: {error}"}))
         return 1
-    conn.send_bytes(orjson.dumps({"ready": True, "pid": os.getpid()}))
+    # What loading found of each model's outputs (one row per step or not), for the
+    # serving process's metadata: it never runs the models itself.
+    outputs = {name: [list(spec.shape) for spec in adapter.outputs]
+               for name, adapter in models.items()}
+    conn.send_bytes(orjson.dumps({"ready": True, "pid": os.getpid(), "outputs": outputs}))
     _serve(models, slots, conn)
     return 0
 

@@ -7,6 +7,7 @@ thread for a whole batch: collate and pad, forward, split.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import struct
@@ -61,7 +62,9 @@ class ModelAdapter(Protocol):
 
 
 class SequenceModel:
-    """A torch module ``forward(x[B, L, C] float32, lengths[B] int64) -> [B, ...]``.
+    """A torch module ``forward(x[B, L, C] float32, lengths[B] int64) -> [B, ...]``: one
+    output per window, or one row per timestep (``[B, L, ...]``, found at ``load``), which
+    is cut back to each window's own length.
 
     Instances are windows of L timesteps by C channels (1 <= L <= max_length),
     given as nested lists of finite numbers.
@@ -82,6 +85,7 @@ class SequenceModel:
         self.outputs: tuple[TensorSpec, ...] = (
             TensorSpec("OUTPUT__0", "FP32", (output_size,)),)
         self._device = "cpu"
+        self.per_step = False  # one output row per timestep ([B, L, ...]), cut to each length
 
     def load(self, device: str) -> None:
         import torch
@@ -97,6 +101,7 @@ class SequenceModel:
             sample = self.example(min(16, self.max_length))
             for _ in range(2):
                 self.run([sample], sample.shape[0])
+        self.per_step = self._answers_per_step()
 
     def decode(self, instance: Any) -> tuple[Any, int]:
         if isinstance(instance, np.ndarray):
@@ -156,6 +161,19 @@ class SequenceModel:
         return rng.standard_normal((length, self.channels)).astype(np.float32)
 
     def run(self, samples: list[Any], pad_to: int) -> list[Any]:
+        result = self._forward(samples, pad_to)
+        if result.shape[0] != len(samples):
+            raise RuntimeError(f"model returned {result.shape[0]} rows for {len(samples)} inputs")
+        if not self.per_step:
+            return list(result)
+        if result.ndim < 2 or result.shape[1] != pad_to:
+            raise RuntimeError(f"model returned {result.shape[1:2]} steps for windows padded "
+                               f"to {pad_to}")
+        # A window's rows past its own length answer the padding, not the caller.
+        return [result[row, : sample.shape[0]] for row, sample in enumerate(samples)]
+
+    def _forward(self, samples: list[Any], pad_to: int) -> np.ndarray:
+        """The module's output for ``samples`` padded to ``pad_to``, as one array."""
         import torch
 
         batch = np.zeros((len(samples), pad_to, self.channels), dtype=np.float32)
@@ -171,14 +189,47 @@ class SequenceModel:
             x, lengths_t = x.to(self._device), lengths_t.to(self._device)
         with torch.inference_mode():
             out = self.module(x, lengths_t)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"model {self.name!r} returned a {type(out).__name__}, not a tensor: "
+                            "a module answers one tensor [B, ...]; a model with several "
+                            "outputs is a vega.models.ModelAdapter")
         if out.requires_grad:  # a user module may hand back a parameter itself
             out = out.detach()
         if out.device.type != "cpu" or out.dtype != torch.float32:
             out = out.float().cpu()
-        result = out.numpy()
-        if result.shape[0] != len(samples):
-            raise RuntimeError(f"model returned {result.shape[0]} rows for {len(samples)} inputs")
-        return list(result)
+        result: np.ndarray = out.numpy()
+        return result
+
+    def probe_lengths(self) -> tuple[int, int] | None:
+        """Two window lengths a lone window can be run at, to tell how the output's shape
+        follows the length (None: windows of one length only, nothing to tell)."""
+        longer = min(32, self.max_length)
+        shorter = min(16, longer - 1)
+        return (shorter, longer) if shorter >= 1 else None
+
+    def _answers_per_step(self) -> bool:
+        """Whether the module answers one row per timestep: padded to batch it, such an
+        output holds rows for the padding, which ``run`` cuts off. An output whose shape
+        follows the length in any other way cannot be cut back, so it is refused."""
+        lengths = self.probe_lengths()
+        if lengths is None:
+            return False
+        shapes = [self._forward([self.example(n)], n).shape[1:] for n in lengths]
+        if shapes[0] == shapes[1]:
+            return False
+        if all(shape[:1] == (n,) for shape, n in zip(shapes, lengths)) \
+                and shapes[0][1:] == shapes[1][1:]:
+            rest = tuple(int(n) for n in shapes[0][1:])
+            self.outputs = tuple(dataclasses.replace(spec, shape=(-1, *rest))
+                                 for spec in self.outputs)
+            return True
+        (short, long_), (short_shape, long_shape) = lengths, shapes
+        raise ValueError(
+            f"model {self.name!r}: its output's shape changes with the window's length "
+            f"({list(short_shape)} at {short} steps, {list(long_shape)} at {long_}) but is "
+            "not one row per step; windows are padded to be batched, and which rows of such "
+            "an output answer the padding cannot be told. Return one output per window "
+            "([B, ...]) or one row per step ([B, L, ...]).")
 
 
 def holds_the_gil(adapter: Any) -> bool:

@@ -85,12 +85,18 @@ class CompiledModel(SequenceModel):
         index = target.index if target.index is not None else -1
         self._device = device
         self.module = torch._inductor.aoti_load_package(self.path, device_index=index)
+        self.per_step = self._answers_per_step()
 
     def padded_length(self, longest: int) -> int:
         """The length a batch whose longest window is ``longest`` runs at (the batcher
         reports its padding at this length)."""
         multiple = self.length_multiple
         return max(self.least_length, -(-longest // multiple) * multiple)
+
+    def probe_lengths(self) -> tuple[int, int] | None:
+        shorter = self.padded_length(1)
+        longer = self.padded_length(shorter + 1)
+        return (shorter, longer) if longer <= self.max_length else None
 
     def run(self, samples: list[Any], pad_to: int) -> list[Any]:
         return super().run(samples, self.padded_length(pad_to))
