@@ -161,3 +161,14 @@ def per_step(name: str) -> SequenceModel:
 
 def per_patch(name: str) -> SequenceModel:
     return SequenceModel(_per_step_module(per_patch=True), name, channels=8, max_length=512)
+
+
+def window_sum(name: str) -> SequenceModel:
+    """One number per window (an output of shape [B]): the sum of its valid values."""
+    import torch
+
+    class Sum(torch.nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.sum(dim=(1, 2))
+
+    return SequenceModel(Sum(), name, channels=8, max_length=512)

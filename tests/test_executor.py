@@ -16,7 +16,8 @@ import orjson
 import pytest
 
 from tests.infra import unavailable
-from tests.models import FAIL_MARK, echo, encoder, per_patch, per_step, window
+from tests.models import (FAIL_MARK, echo, encoder, per_patch, per_step, window,
+                          window_sum)
 from tests.servers import VegaProcess, metric, served_device, wait_until
 from tests.virtual.test_batcher import config, item
 from vega.batcher import Batcher
@@ -85,6 +86,23 @@ def test_each_way_cuts_a_per_step_output_to_each_windows_length(way: str) -> Non
             assert output.shape == (sample.shape[0], 3)
             np.testing.assert_allclose(output, reference.run([sample], sample.shape[0])[0],
                                        atol=1e-5)
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.parametrize("way", ["thread", "process"])
+def test_each_way_answers_one_number_per_window_as_a_number(way: str) -> None:
+    model = window_sum("sum")
+    executor = Executor({"sum": model}, torch_threads=1,
+                        plan=plan("python:tests.models:window_sum", "sum") if way == "process"
+                        else None)
+    executor.load(DEVICE)
+    try:
+        assert model.outputs[0].shape == ()
+        samples = [np.full((n, 8), 0.5, np.float32) for n in (2, 5)]
+        outputs, _ = executor.run_sync("sum", samples, 5)
+        assert [np.ndim(output) for output in outputs] == [0, 0]  # not [8.0]: JSON says 8.0
+        assert [float(output) for output in outputs] == [8.0, 20.0]
     finally:
         executor.shutdown()
 

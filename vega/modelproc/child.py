@@ -129,7 +129,7 @@ def _serve(models: dict[str, Any], slots: list[memoryview], conn: Connection) ->
 def _as_array(output: Any) -> Any:
     import numpy as np
 
-    array = np.ascontiguousarray(output)
+    array = np.asarray(output, order="C")  # not ascontiguousarray: a scalar stays 0-d
     if array.dtype.kind not in "biuf":
         raise TypeError(f"model output of dtype {array.dtype} cannot leave a model process")
     return array

@@ -214,15 +214,15 @@ class SequenceModel:
         lengths = self.probe_lengths()
         if lengths is None:
             return False
-        shapes = [self._forward([self.example(n)], n).shape[1:] for n in lengths]
-        if shapes[0] == shapes[1]:
-            return False
-        if all(shape[:1] == (n,) for shape, n in zip(shapes, lengths)) \
-                and shapes[0][1:] == shapes[1][1:]:
-            rest = tuple(int(n) for n in shapes[0][1:])
-            self.outputs = tuple(dataclasses.replace(spec, shape=(-1, *rest))
-                                 for spec in self.outputs)
-            return True
+        shapes = [tuple(int(n) for n in self._forward([self.example(n)], n).shape[1:])
+                  for n in lengths]
+        per_step = shapes[0] != shapes[1]
+        if not per_step or (all(shape[:1] == (n,) for shape, n in zip(shapes, lengths))
+                            and shapes[0][1:] == shapes[1][1:]):
+            # The metadata says what the module answers (-1: the window's length).
+            shape = (-1, *shapes[0][1:]) if per_step else shapes[0]
+            self.outputs = tuple(dataclasses.replace(spec, shape=shape) for spec in self.outputs)
+            return per_step
         (short, long_), (short_shape, long_shape) = lengths, shapes
         raise ValueError(
             f"model {self.name!r}: its output's shape changes with the window's length "
