@@ -7,12 +7,18 @@ from collections.abc import Callable
 
 import httpx
 import orjson
+import pytest
 
+from tests.inproc import BASE
 from tests.models import window
 from tests.servers import VegaProcess, wait_until
+from vega.config import load_settings
+from vega.models.loader import ModelLoadError
+from vega.server import create_app
 
 SLOW = {"VEGA_MODEL": "python:tests.models:echo", "TEST_SLEEP_MS": "300",
-        "VEGA_MAX_BATCH_SIZE": "1", "VEGA_MAX_INFLIGHT_BATCHES": "1", "VEGA_LENGTH_BUCKETS": "16", "VEGA_QUEUE_CAPACITY": "20",
+        "VEGA_MAX_BATCH_SIZE": "1", "VEGA_MAX_INFLIGHT_BATCHES": "1",
+        "VEGA_LENGTH_BUCKETS": "16", "VEGA_QUEUE_CAPACITY": "20",
         "VEGA_DEFAULT_DEADLINE_MS": "20000", "VEGA_CODEL_INTERVAL_MS": "20000"}
 
 
@@ -76,3 +82,18 @@ async def test_requests_the_main_model_would_refuse_go_to_the_fallback(
     assert sum(r.status_code == 200 and r.json()["model"] == "echo_fast"
                for r in with_fallback) >= 2
     assert all(r.status_code == 429 or r.json()["model"] == "echo" for r in normal)
+
+
+async def test_a_fallback_that_answers_in_another_shape_is_refused_at_start() -> None:
+    # Known only once both are loaded: one row per step against one number per window.
+    env = {**BASE, "VEGA_MODEL": "python:tests.models:per_step",
+           "VEGA_FALLBACK_MODEL": "python:tests.models:window_sum"}
+    _app, runtime = create_app(load_settings(environ=env))
+    await runtime.start()
+    try:
+        with pytest.raises(ModelLoadError, match=r"answers different outputs from 'per_step' "
+                                                 r"\(per_step: \[-1, 3\], window_sum: \[\]\)"):
+            await runtime.wait_ready()
+        assert not runtime.ready
+    finally:
+        await runtime.stop()

@@ -23,7 +23,7 @@ from vega.executor import Executor, pick_device, process_plan
 from vega.jobs.lane import JobLane
 from vega.metrics import Metrics
 from vega.models import ModelAdapter, load_model
-from vega.models.loader import ModelLoadError
+from vega.models.loader import ModelLoadError, check_fallback
 from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
 from vega.pressure.looplag import LoopLag
 from vega.pressure.pacing import RefusalPacer
@@ -124,6 +124,9 @@ class Runtime:
             torch.set_num_threads(s.torch_threads)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.executor.load, self.device)
+        if self.fallback_model is not None:
+            fallback = next(a for a in self._adapters if a.name == self.fallback_model)
+            check_fallback(s.fallback_model, self._adapters[0], fallback, "outputs")
         self.executor.bind(loop)
         for adapter in self._adapters:
             config = BatcherConfig.from_settings(s, adapter.name, adapter.max_length,
@@ -335,10 +338,7 @@ class Runtime:
         if adapter.name == main.name:
             raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: served under the same name "
                                  f"as the main model ({main.name!r})")
-        if [(t.datatype, t.shape) for t in adapter.inputs] != \
-                [(t.datatype, t.shape) for t in main.inputs]:
-            raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: takes different inputs "
-                                 f"from {main.name!r}")
+        check_fallback(spec, main, adapter)
         if all(a.name != adapter.name for a in self._adapters):
             self._adapters.append(adapter)
         return adapter.name

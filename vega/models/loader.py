@@ -95,3 +95,17 @@ def _wrap_module(module: Any, name: str) -> ModelAdapter:
     channels = int(getattr(module, "vega_channels", 8))
     max_length = int(getattr(module, "vega_max_length", 512))
     return SequenceModel(module, name, channels=channels, max_length=max_length)
+
+
+def check_fallback(spec: str, main: ModelAdapter, fallback: ModelAdapter,
+                   side: str = "inputs") -> None:
+    """Raise unless ``fallback`` (VEGA_FALLBACK_MODEL) takes the inputs ``main`` takes or,
+    with ``side="outputs"`` once both are loaded (when a module's shapes are found),
+    answers as ``main`` does: a degraded caller gets an answer of the same shape."""
+    ours, theirs = getattr(fallback, side), getattr(main, side)
+    if [(t.datatype, t.shape) for t in ours] != [(t.datatype, t.shape) for t in theirs]:
+        shapes = ", ".join(f"{a.name}: {list(t.shape)}" for a, specs in
+                           ((main, theirs), (fallback, ours)) for t in specs)
+        verb = "takes" if side == "inputs" else "answers"
+        raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: {verb} different {side} "
+                             f"from {main.name!r} ({shapes})")
