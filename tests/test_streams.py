@@ -64,6 +64,11 @@ def test_replies_round_trip_arrays_json_and_errors() -> None:
     assert back.infer_ms == 1.25 and all(np.array_equal(a, b) for a, b in zip(outputs, back.outputs))
     back = decode_reply(encode_reply(Reply("b", "n", 0, ({"label": 1}, [2]))), 2, CODES)
     assert back.outputs == ({"label": 1}, [2])
+    per_step = (np.ones((2, 3), np.float32), np.zeros((5, 3), np.float32))  # rows per step
+    back = decode_reply(encode_reply(Reply("b", "n", 0, per_step)), 2, CODES)
+    assert [a.shape for a in back.outputs] == [(2, 3), (5, 3)]
+    numbers = (np.float32(8.0), np.float32(20.0))  # one number per window
+    assert decode_reply(encode_reply(Reply("b", "n", 0, numbers)), 2, CODES).outputs == (8, 20)
     back = decode_reply(encode_reply(Reply("b", "n", 0, (), "model_error", "boom")), 2, CODES)
     assert (back.error_code, back.error_message) == ("model_error", "boom")
     assert batch_of(encode_reply(Reply("b7", "n", 0, (), "declined", ""))) == "b7"
