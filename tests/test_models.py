@@ -144,6 +144,25 @@ def test_a_module_answering_anything_but_one_tensor_is_refused_at_load() -> None
         SequenceModel(Pair(), "pair", channels=8, max_length=64).load("cpu")
 
 
+def test_a_module_that_reads_the_padding_is_warned_about_at_load(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class Mean(torch.nn.Module):  # a mean over every step, padding too: lengths unused
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.mean(dim=1)
+
+    class MaskedMean(torch.nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.sum(dim=1) / lengths[:, None].to(x.dtype)
+
+    with caplog.at_level("WARNING", logger="vega.models"):
+        SequenceModel(MaskedMean(), "masked", channels=8, max_length=64).load("cpu")
+        assert not caplog.records
+        SequenceModel(Mean(), "mean", channels=8, max_length=64).load("cpu")
+    [record] = caplog.records
+    assert "model 'mean': padded from 16 to 32 steps" in record.getMessage()
+    assert "reads the padding past `lengths`" in record.getMessage()
+
+
 def test_weights_are_fixed_by_seed() -> None:
     a, b = load_model("sensor"), load_model("sensor")
     sample = a.example(32)

@@ -102,6 +102,7 @@ class SequenceModel:
             for _ in range(2):
                 self.run([sample], sample.shape[0])
         self.per_step = self._answers_per_step()
+        self._check_padding()
 
     def decode(self, instance: Any) -> tuple[Any, int]:
         if isinstance(instance, np.ndarray):
@@ -230,6 +231,25 @@ class SequenceModel:
             "not one row per step; windows are padded to be batched, and which rows of such "
             "an output answer the padding cannot be told. Return one output per window "
             "([B, ...]) or one row per step ([B, L, ...]).")
+
+
+    def _check_padding(self) -> None:
+        """Warn when a window's answer moves once it is padded to share a batch: the module
+        reads the steps past ``lengths``, so what a caller gets depends on its batch mates."""
+        lengths = self.probe_lengths()
+        if lengths is None:
+            return
+        short, long_ = lengths
+        window = [self.example(short)]
+        alone, padded = (np.asarray(self.run(window, pad_to)[0]) for pad_to in lengths)
+        moved = float(np.max(np.abs(alone - padded), initial=0.0))
+        scale = float(np.max(np.abs(alone), initial=0.0))
+        if moved > 1e-5 * max(1.0, scale):
+            log.warning("model %r: padded from %d to %d steps to share a batch, a window's "
+                        "answer moved by up to %.2g (its largest value: %.2g): the module "
+                        "reads the padding past `lengths`, so an answer depends on the windows "
+                        "batched with it; mask those steps to make answers exact", self.name,
+                        short, long_, moved, scale)
 
 
 def holds_the_gil(adapter: Any) -> bool:
