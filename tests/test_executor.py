@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 
 import httpx
 import numpy as np
@@ -24,6 +26,7 @@ from vega.batcher import Batcher
 from vega.errors import VegaError
 from vega.executor import Executor
 from vega.modelproc import ModelProcessError, ProcessPlan
+from vega.modelproc.child import serve as child_serve
 from vega.models import SequenceModel, load_model
 from vega.records import Batch, Item
 
@@ -115,6 +118,16 @@ def test_a_model_process_refuses_an_output_it_cannot_cut_back() -> None:
             executor.load(DEVICE)
     finally:
         executor.shutdown()
+
+
+def test_a_model_process_whose_parent_is_gone_ends_quietly() -> None:
+    # The parent closed its end with bytes of ours unread (it died, or failed to start
+    # after reading nothing more): the child's read is reset, not ended; it returns.
+    ours, theirs = socket.socketpair()
+    child = Connection(theirs.detach())
+    child.send_bytes(b"{}")  # an answer the parent never reads
+    ours.close()
+    child_serve({}, [], child)  # returns (the child exits 0); it raised ConnectionResetError
 
 
 def echo_batch(model: SequenceModel, first: float = 0.5, size: int = 1) -> Batch:

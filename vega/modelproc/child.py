@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     outputs = {name: [list(spec.shape) for spec in adapter.outputs]
                for name, adapter in models.items()}
     conn.send_bytes(orjson.dumps({"ready": True, "pid": os.getpid(), "outputs": outputs}))
-    _serve(models, slots, conn)
+    serve(models, slots, conn)
     return 0
 
 
@@ -95,12 +95,12 @@ def _load(config: ChildConfig) -> dict[str, Any]:
     return models
 
 
-def _serve(models: dict[str, Any], slots: list[memoryview], conn: Connection) -> None:
+def serve(models: dict[str, Any], slots: list[memoryview], conn: Connection) -> None:
     while True:
         try:
             request = orjson.loads(conn.recv_bytes())
-        except EOFError:
-            return  # the parent closed the pipe, or died
+        except (EOFError, ConnectionResetError):
+            return  # the parent closed the pipe, or died (reset: with our answer unread)
         started = time.perf_counter()
         try:
             adapter = models[request["model"]]
@@ -120,6 +120,8 @@ def _serve(models: dict[str, Any], slots: list[memoryview], conn: Connection) ->
                 header = slot.pack(memoryview(payload), outputs)
                 conn.send_bytes(orjson.dumps({**done, "inline": True, **header}))
                 conn.send_bytes(payload[: slot.nbytes(header)])
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the parent died while the batch ran: nobody left to answer
         except Exception as error:  # the model's failure is this batch's alone
             log.warning("model %s raised: %r", request.get("model"), error)
             conn.send_bytes(orjson.dumps({"ok": False, "ended_at": time.monotonic(),
