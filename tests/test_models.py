@@ -144,7 +144,7 @@ def test_a_module_answering_anything_but_one_tensor_is_refused_at_load() -> None
         SequenceModel(Pair(), "pair", channels=8, max_length=64).load("cpu")
 
 
-def test_a_module_that_reads_the_padding_is_warned_about_at_load(
+def test_a_module_whose_answers_depend_on_batch_mates_is_warned_about_at_load(
         caplog: pytest.LogCaptureFixture) -> None:
     class Mean(torch.nn.Module):  # a mean over every step, padding too: lengths unused
         def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -154,13 +154,20 @@ def test_a_module_that_reads_the_padding_is_warned_about_at_load(
         def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
             return x.sum(dim=1) / lengths[:, None].to(x.dtype)
 
+    class Centred(MaskedMean):  # each answer less the batch's mean answer
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            means = super().forward(x, lengths)
+            return means - means.mean(dim=0)
+
     with caplog.at_level("WARNING", logger="vega.models"):
         SequenceModel(MaskedMean(), "masked", channels=8, max_length=64).load("cpu")
         assert not caplog.records
         SequenceModel(Mean(), "mean", channels=8, max_length=64).load("cpu")
-    [record] = caplog.records
-    assert "model 'mean': padded from 16 to 32 steps" in record.getMessage()
-    assert "reads the padding past `lengths`" in record.getMessage()
+        SequenceModel(Centred(), "centred", channels=8, max_length=64).load("cpu")
+    mean, centred = (record.getMessage() for record in caplog.records)
+    assert "model 'mean': a 16-step window's answer moved" in mean
+    assert "batched with a 32-step window" in mean and "reads the padding past" in mean
+    assert "model 'centred'" in centred and "mixes the windows of a batch" in centred
 
 
 def test_weights_are_fixed_by_seed() -> None:

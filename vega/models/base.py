@@ -232,24 +232,32 @@ class SequenceModel:
             "an output answer the padding cannot be told. Return one output per window "
             "([B, ...]) or one row per step ([B, L, ...]).")
 
-
     def _check_padding(self) -> None:
-        """Warn when a window's answer moves once it is padded to share a batch: the module
-        reads the steps past ``lengths``, so what a caller gets depends on its batch mates."""
+        """Warn when a window's answer moves once it shares a batch: padded to a longer
+        window's length, the module reads the steps past ``lengths``; or it mixes the
+        windows of a batch. Either way, what a caller gets depends on its batch mates."""
         lengths = self.probe_lengths()
         if lengths is None:
             return
         short, long_ = lengths
-        window = [self.example(short)]
-        alone, padded = (np.asarray(self.run(window, pad_to)[0]) for pad_to in lengths)
-        moved = float(np.max(np.abs(alone - padded), initial=0.0))
+        window = self.example(short)
+        alone = np.asarray(self.run([window], short)[0])
+        shared = np.asarray(self.run([window, self.example(long_)], long_)[0])
         scale = float(np.max(np.abs(alone), initial=0.0))
-        if moved > 1e-5 * max(1.0, scale):
-            log.warning("model %r: padded from %d to %d steps to share a batch, a window's "
-                        "answer moved by up to %.2g (its largest value: %.2g): the module "
-                        "reads the padding past `lengths`, so an answer depends on the windows "
-                        "batched with it; mask those steps to make answers exact", self.name,
-                        short, long_, moved, scale)
+        if _moved(alone, shared) <= 1e-5 * max(1.0, scale):
+            return
+        padded = np.asarray(self.run([window], long_)[0])
+        why = ("it reads the padding past `lengths` (mask those steps)"
+               if _moved(alone, padded) > 1e-5 * max(1.0, scale) else
+               "it mixes the windows of a batch (statistics over the batch?)")
+        log.warning("model %r: a %d-step window's answer moved by up to %.2g (its largest "
+                    "value: %.2g) when batched with a %d-step window, so what a caller gets "
+                    "depends on its batch mates: %s", self.name, short, _moved(alone, shared),
+                    scale, long_, why)
+
+
+def _moved(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b), initial=0.0))
 
 
 def holds_the_gil(adapter: Any) -> bool:
