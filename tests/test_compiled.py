@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.models import encoder_small
+from tests.models import encoder_small, per_step
 from tests.servers import VegaProcess, served_device
 from vega.models import SequenceModel, load_model
 from vega.models.compiled import CompiledModel, PackageError, read_metadata
@@ -144,3 +144,20 @@ def test_a_module_that_branches_on_its_values_is_not_compiled(tmp_path: Path) ->
     with pytest.raises(ExportError, match="cannot trace it"):
         export_package(model, tmp_path / "branchy.pt2")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_per_step_package_answers_each_window_its_own_rows(tmp_path: Path) -> None:
+    out = tmp_path / "labeller.pt2"
+    done = export("--model", "python:tests.models:per_step", "--out", str(out), "--device", KIND)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = load_model(f"aoti:{out}")
+    model.load(DEVICE)
+    assert isinstance(model, CompiledModel) and model.per_step
+    assert model.outputs[0].shape == (-1, 3)
+    eager = per_step("reference")
+    eager.load(DEVICE)
+    rng = np.random.default_rng(4)
+    samples = [model.decode(rng.standard_normal((n, 8)).tolist())[0] for n in (1, 5, 17, 40)]
+    for sample, rows in zip(samples, model.run(samples, 40)):
+        assert rows.shape == (sample.shape[0], 3)
+        np.testing.assert_allclose(rows, eager.run([sample], sample.shape[0])[0], atol=1e-5)

@@ -101,6 +101,11 @@ class SequenceModel:
             sample = self.example(min(16, self.max_length))
             for _ in range(2):
                 self.run([sample], sample.shape[0])
+        self.inspect_outputs()
+
+    def inspect_outputs(self) -> None:
+        """Once loaded: whether the module answers one row per step (and the output's
+        shape, for the metadata), and whether batching moves a window's answer."""
         self.per_step = self._answers_per_step()
         self._check_padding()
 

@@ -85,7 +85,7 @@ class CompiledModel(SequenceModel):
         index = target.index if target.index is not None else -1
         self._device = device
         self.module = torch._inductor.aoti_load_package(self.path, device_index=index)
-        self.per_step = self._answers_per_step()
+        self.inspect_outputs()
 
     def padded_length(self, longest: int) -> int:
         """The length a batch whose longest window is ``longest`` runs at (the batcher
