@@ -104,10 +104,19 @@ class SequenceModel:
         self.inspect_outputs()
 
     def inspect_outputs(self) -> None:
-        """Once loaded: whether the module answers one row per step (and the output's
-        shape, for the metadata), and whether batching moves a window's answer."""
-        self.per_step = self._answers_per_step()
-        self._check_padding()
+        """Once loaded, from a window run alone and then batched with a longer one: whether
+        the module answers one row per step (and the output's shape, for the metadata),
+        and whether batching moves a window's answer."""
+        lengths = self.probe_lengths()
+        if lengths is None:
+            return  # windows of one length only: nothing is padded, nothing to tell
+        short, long_ = lengths
+        window = self.example(short)
+        alone = self._forward([window], short)[0]
+        batched = self._forward([window, self.example(long_)], long_)[0]
+        self.per_step = self._layout(lengths, alone.shape, batched.shape)
+        self._check_batching(window, alone, batched[:short] if self.per_step else batched,
+                             lengths)
 
     def decode(self, instance: Any) -> tuple[Any, int]:
         if isinstance(instance, np.ndarray):
@@ -213,15 +222,13 @@ class SequenceModel:
         shorter = min(16, longer - 1)
         return (shorter, longer) if shorter >= 1 else None
 
-    def _answers_per_step(self) -> bool:
-        """Whether the module answers one row per timestep: padded to batch it, such an
-        output holds rows for the padding, which ``run`` cuts off. An output whose shape
-        follows the length in any other way cannot be cut back, so it is refused."""
-        lengths = self.probe_lengths()
-        if lengths is None:
-            return False
-        shapes = [tuple(int(n) for n in self._forward([self.example(n)], n).shape[1:])
-                  for n in lengths]
+    def _layout(self, lengths: tuple[int, int], short_shape: tuple[int, ...],
+                long_shape: tuple[int, ...]) -> bool:
+        """Whether a window's output is one row per step, from its shape at two lengths
+        (setting the outputs' shape): padded to batch it, such an output holds rows for the
+        padding, which ``run`` cuts off. One whose shape follows the length in any other
+        way cannot be cut back, so it is refused."""
+        shapes = [tuple(int(n) for n in shape) for shape in (short_shape, long_shape)]
         per_step = shapes[0] != shapes[1]
         if not per_step or (all(shape[:1] == (n,) for shape, n in zip(shapes, lengths))
                             and shapes[0][1:] == shapes[1][1:]):
@@ -229,36 +236,31 @@ class SequenceModel:
             shape = (-1, *shapes[0][1:]) if per_step else shapes[0]
             self.outputs = tuple(dataclasses.replace(spec, shape=shape) for spec in self.outputs)
             return per_step
-        (short, long_), (short_shape, long_shape) = lengths, shapes
         raise ValueError(
             f"model {self.name!r}: its output's shape changes with the window's length "
-            f"({list(short_shape)} at {short} steps, {list(long_shape)} at {long_}) but is "
-            "not one row per step; windows are padded to be batched, and which rows of such "
+            f"({list(shapes[0])} at {lengths[0]} steps, {list(shapes[1])} at {lengths[1]}) but "
+            "is not one row per step; windows are padded to be batched, and which rows of such "
             "an output answer the padding cannot be told. Return one output per window "
             "([B, ...]) or one row per step ([B, L, ...]).")
 
-    def _check_padding(self) -> None:
-        """Warn when a window's answer moves once it shares a batch: padded to a longer
+    def _check_batching(self, window: np.ndarray, alone: np.ndarray, batched: np.ndarray,
+                        lengths: tuple[int, int]) -> None:
+        """Warn when ``window``'s answer moves once it shares a batch: padded to a longer
         window's length, the module reads the steps past ``lengths``; or it mixes the
         windows of a batch. Either way, what a caller gets depends on its batch mates."""
-        lengths = self.probe_lengths()
-        if lengths is None:
-            return
         short, long_ = lengths
-        window = self.example(short)
-        alone = np.asarray(self.run([window], short)[0])
-        shared = np.asarray(self.run([window, self.example(long_)], long_)[0])
         scale = float(np.max(np.abs(alone), initial=0.0))
-        if _moved(alone, shared) <= 1e-5 * max(1.0, scale):
+        moved = _moved(alone, batched)
+        if moved <= 1e-5 * max(1.0, scale):
             return
-        padded = np.asarray(self.run([window], long_)[0])
+        padded = self._forward([window], long_)[0]  # alone, but padded: which moved it?
         why = ("it reads the padding past `lengths` (mask those steps)"
-               if _moved(alone, padded) > 1e-5 * max(1.0, scale) else
+               if _moved(alone, padded[:short] if self.per_step else padded)
+               > 1e-5 * max(1.0, scale) else
                "it mixes the windows of a batch (statistics over the batch?)")
         log.warning("model %r: a %d-step window's answer moved by up to %.2g (its largest "
                     "value: %.2g) when batched with a %d-step window, so what a caller gets "
-                    "depends on its batch mates: %s", self.name, short, _moved(alone, shared),
-                    scale, long_, why)
+                    "depends on its batch mates: %s", self.name, short, moved, scale, long_, why)
 
 
 def _moved(a: np.ndarray, b: np.ndarray) -> float:
