@@ -104,6 +104,19 @@ def test_a_line_tilted_by_one_noisy_partial_batch_is_not_trusted() -> None:
     assert times.predict(0, 32) == pytest.approx(0.012, rel=0.02)
 
 
+def test_a_cost_that_does_not_grow_with_the_batch_is_predicted_flat() -> None:
+    # A GPU below its width, or a model that waits: 40 ms whatever the size, batches of
+    # 1..4 with a little noise, so the least-squares slope comes out just below zero.
+    # The mean cost per item (16 ms at a mean size of 2.5) would put a full batch of 4
+    # at 64 ms, and 8 queued items at 128 ms: past a 100-ms interval at half the load.
+    times = BatchTimes(1)
+    for size, seconds in [(1, 0.041), (2, 0.040), (3, 0.040), (4, 0.039)] * 5:
+        times.observe(0, size, seconds)
+    assert times.predict(0, 4) == pytest.approx(0.040, rel=0.03)
+    assert times.predict(0, 1) == pytest.approx(0.040, rel=0.03)
+    assert times.drain_s([8], max_size=4) == pytest.approx(0.080, rel=0.03)
+
+
 def test_nothing_measured_predicts_nothing() -> None:
     times = BatchTimes(2)
     assert times.predict(1, 32) == 0.0 and not times.measured()

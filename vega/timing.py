@@ -3,7 +3,8 @@
 Rule 2 of DESIGN.md: predict batch time per (length bucket, batch size) from recent
 measurements, never from a constant. Each bucket keeps its last ``window`` batches
 and fits ``seconds = fixed + per_item * size`` by least squares (BentoML's
-dispatcher does the same); with one distinct size it scales the mean.
+dispatcher does the same), held to a line that can be true (neither falling nor below
+the origin); with one distinct size it scales the mean.
 """
 
 from __future__ import annotations
@@ -113,10 +114,15 @@ def _fit(samples: deque[tuple[int, float]]) -> Line:
         return Line(0.0, mean_y / mean_x)
     slope = sum((size - mean_x) * (seconds - mean_y) for size, seconds in samples) / var_x
     fixed = mean_y - slope * mean_x
-    # Noise, either way: a batch never gets cheaper with more items, and never costs less
-    # than nothing to start. When nearly every batch is full the sizes barely vary, and one
-    # noisy partial batch tilts the line until a queued item costs many times its share.
-    if slope <= 0 or fixed < 0:
+    # The nearest line that can be true: a batch never gets cheaper with more items, and
+    # never costs less than nothing to start. A falling line is a cost that does not grow
+    # with the batch (a GPU below its width, a fixed wait): flat at the mean, as the mean
+    # cost per item would charge a full batch max/mean-size times what it costs. A line
+    # below the origin is a noisy partial batch among full ones (their sizes barely vary):
+    # the mean cost per item, or a queued partial item costs many times its share.
+    if slope <= 0:
+        return Line(mean_y, 0.0)
+    if fixed < 0:
         return Line(0.0, mean_y / mean_x)
     return Line(fixed, slope)
 
