@@ -172,3 +172,49 @@ def window_sum(name: str) -> SequenceModel:
             return x.sum(dim=(1, 2))
 
     return SequenceModel(Sum(), name, channels=8, max_length=512)
+
+
+# Bare modules, as a user's factory returns them (no adapter): Vega fits what it can.
+
+def no_lengths(name: str) -> Any:
+    """``forward(x)`` only, as a module written for one window length is: twice the mean
+    over every step, the padding's too."""
+    import torch
+
+    class Mean(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x.mean(dim=1)
+
+    return Mean()
+
+
+def float64(name: str) -> Any:
+    """float64 weights: the mean of each channel's valid steps, scaled by 0.5..2."""
+    import torch
+
+    class Weighted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, 8, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            assert x.dtype == torch.float64, x.dtype  # cast to the weights' type first
+            return x.sum(dim=1) / lengths[:, None].to(x.dtype) * self.scale
+
+    return Weighted()
+
+
+def three_channels(name: str) -> Any:
+    """Steps of 3 channels, without the ``vega_channels`` attribute that would say so."""
+    import torch
+
+    class Linear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            summed: torch.Tensor = self.linear(x).sum(dim=1)
+            return summed
+
+    return Linear()

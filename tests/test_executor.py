@@ -110,6 +110,26 @@ def test_each_way_answers_one_number_per_window_as_a_number(way: str) -> None:
         executor.shutdown()
 
 
+@pytest.mark.parametrize("way", ["thread", "process"])
+def test_each_way_serves_a_users_module_that_vega_fits(way: str) -> None:
+    # Bare modules from a user's factory: one with float64 weights, one taking only x.
+    specs = {name: f"python:tests.models:{name}" for name in ("float64", "no_lengths")}
+    models = {name: load_model(spec, name) for name, spec in specs.items()}
+    executor = Executor(models, torch_threads=1, plan=ProcessPlan(
+        specs=tuple((spec, name) for name, spec in specs.items()), device=DEVICE,
+        torch_threads=1, slot_bytes=1 << 20, timeout_s=30.0) if way == "process" else None)
+    executor.load(DEVICE)
+    try:
+        windows = [np.full((n, 8), float(n), np.float32) for n in (2, 9, 30)]
+        outputs, _ = executor.run_sync("float64", windows, 30)  # masked: mixed lengths
+        np.testing.assert_allclose(np.stack(outputs),
+                                   np.outer([2, 9, 30], np.linspace(0.5, 2.0, 8)), rtol=1e-6)
+        outputs, _ = executor.run_sync("no_lengths", windows[1:2] * 2, 9)  # one length
+        np.testing.assert_allclose(np.stack(outputs), np.full((2, 8), 18.0))
+    finally:
+        executor.shutdown()
+
+
 def test_a_model_process_refuses_an_output_it_cannot_cut_back() -> None:
     executor = Executor({"patches": per_patch("patches")}, torch_threads=1,
                         plan=plan("python:tests.models:per_patch", "patches"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models import per_patch, per_step
+from tests.models import per_patch, per_step, three_channels
 from vega.errors import VegaError
 from vega.models import SequenceModel, load_model
 from vega.models.loader import ModelLoadError
@@ -168,6 +168,64 @@ def test_a_module_whose_answers_depend_on_batch_mates_is_warned_about_at_load(
     assert "model 'mean': a 16-step window's answer moved" in mean
     assert "batched with a 32-step window" in mean and "reads the padding past" in mean
     assert "model 'centred'" in centred and "mixes the windows of a batch" in centred
+
+
+def test_a_module_taking_only_x_is_served_and_its_padding_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="vega.models"):
+        model = load_model("python:tests.models:no_lengths")
+        model.load("cpu")
+    assert "no_lengths" in caplog.text and "forward takes no `lengths`" in caplog.text
+    windows = [np.full((5, 8), 1.0, np.float32), np.full((5, 8), 3.0, np.float32)]
+    np.testing.assert_allclose(np.stack(model.run(windows, 5)), np.full((2, 8), [[2.0], [6.0]]))
+
+
+def test_a_module_with_float64_weights_gets_its_windows_cast_to_them() -> None:
+    model = load_model("python:tests.models:float64")
+    model.load("cpu")  # the module asserts that it was given float64
+    windows = [np.full((n, 8), float(n), np.float32) for n in (3, 7)]
+    rows = model.run(windows, 7)
+    assert [row.dtype for row in rows] == [np.float32, np.float32]
+    np.testing.assert_allclose(np.stack(rows), np.outer([3, 7], np.linspace(0.5, 2.0, 8)),
+                               rtol=1e-6)
+
+
+def test_a_module_that_cannot_take_the_windows_says_what_it_was_given() -> None:
+    model = load_model("python:tests.models:three_channels")
+    with pytest.raises(RuntimeError, match=r"x \[1, 16, 8\] float32.*`vega_channels`.*mat1"):
+        model.load("cpu")
+    assert isinstance(model, SequenceModel)
+    told = SequenceModel(model.module, "three", channels=3, max_length=64)  # as vega_channels
+    told.load("cpu")
+    assert told.run([np.ones((4, 3), np.float32)], 4)[0].shape == (2,)
+
+
+def test_only_a_module_vega_cannot_call_as_it_is_gets_wrapped() -> None:
+    from vega.models.fitted import fitted
+
+    plain = torch.nn.Linear(8, 2)
+    assert fitted(plain) is not plain  # forward(input): no lengths
+    masked = load_model("python:tests.models:window_sum")  # an adapter: left alone
+    assert isinstance(masked, SequenceModel) and type(masked.module).__name__ == "Sum"
+
+    takes = three_channels("three")  # forward(x, lengths), float32 weights
+    assert fitted(takes) is takes
+    assert fitted(takes.half()).dtype == torch.float16  # cast to, lengths still given
+
+
+# TorchScript is deprecated in torch 2.13 but still what many teams have saved.
+@pytest.mark.filterwarnings("ignore:`torch.jit.*deprecated:DeprecationWarning")
+def test_a_torchscript_module_taking_only_x_is_served(tmp_path: Path) -> None:
+    class Last(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:, -1]
+
+    path = tmp_path / "last.pt"
+    torch.jit.script(Last()).save(str(path))  # type: ignore[no-untyped-call]
+    model = load_model(f"torchscript:{path}")
+    model.load("cpu")
+    window = np.arange(16, dtype=np.float32).reshape(2, 8)
+    np.testing.assert_allclose(model.run([window], 2)[0], window[-1])
 
 
 def test_weights_are_fixed_by_seed() -> None:

@@ -71,6 +71,8 @@ class SequenceModel:
     """
 
     deterministic = True
+    # Where the inputs' shape comes from, for a module that cannot take them.
+    inputs_hint = " (a module's `vega_channels` attribute sets the channels a step)"
 
     def __init__(self, module: Any, name: str, *, channels: int, max_length: int,
                  version: str = "1", output_size: int = -1, script: bool = False) -> None:
@@ -98,10 +100,22 @@ class SequenceModel:
             # TorchScript's profiling executor records the first call and compiles on the
             # second: ~300 ms each here, 0.5 ms after. Paid now, no timed pass counts it
             # (warm-up seeding the batch-time predictor, vega profile, bench ceilings).
-            sample = self.example(min(16, self.max_length))
             for _ in range(2):
-                self.run([sample], sample.shape[0])
+                self.try_example(min(16, self.max_length))
         self.inspect_outputs()
+
+    def try_example(self, length: int) -> np.ndarray:
+        """One example window through the module: a module that cannot take what Vega
+        gives it says so at load, with what it was given."""
+        try:
+            return self._forward([self.example(length)], length)
+        except NotATensor:
+            raise
+        except Exception as error:
+            raise RuntimeError(
+                f"model {self.name!r} failed on an example batch: x [1, {length}, "
+                f"{self.channels}] float32, lengths [1] int64{self.inputs_hint}: "
+                f"{type(error).__name__}: {error}") from error
 
     def inspect_outputs(self) -> None:
         """Once loaded, from a window run alone and then batched with a longer one: whether
@@ -112,7 +126,7 @@ class SequenceModel:
             return  # windows of one length only: nothing is padded, nothing to tell
         short, long_ = lengths
         window = self.example(short)
-        alone = self._forward([window], short)[0]
+        alone = self.try_example(short)[0]
         batched = self._forward([window, self.example(long_)], long_)[0]
         self.per_step = self._layout(lengths, alone.shape, batched.shape)
         self._check_batching(window, alone, batched[:short] if self.per_step else batched,
@@ -205,7 +219,7 @@ class SequenceModel:
         with torch.inference_mode():
             out = self.module(x, lengths_t)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"model {self.name!r} returned a {type(out).__name__}, not a tensor: "
+            raise NotATensor(f"model {self.name!r} returned a {type(out).__name__}, not a tensor: "
                             "a module answers one tensor [B, ...]; a model with several "
                             "outputs is a vega.models.ModelAdapter")
         if out.requires_grad:  # a user module may hand back a parameter itself
@@ -254,13 +268,20 @@ class SequenceModel:
         if moved <= 1e-5 * max(1.0, scale):
             return
         padded = self._forward([window], long_)[0]  # alone, but padded: which moved it?
-        why = ("it reads the padding past `lengths` (mask those steps)"
-               if _moved(alone, padded[:short] if self.per_step else padded)
-               > 1e-5 * max(1.0, scale) else
-               "it mixes the windows of a batch (statistics over the batch?)")
+        if _moved(alone, padded[:short] if self.per_step else padded) <= 1e-5 * max(1.0, scale):
+            why = "it mixes the windows of a batch (statistics over the batch?)"
+        elif getattr(self.module, "takes_lengths", True):
+            why = "it reads the padding past `lengths` (mask those steps)"
+        else:
+            why = ("its forward takes no `lengths`, so it reads the padding: take them and "
+                   "mask the steps past each, or send windows of one length")
         log.warning("model %r: a %d-step window's answer moved by up to %.2g (its largest "
                     "value: %.2g) when batched with a %d-step window, so what a caller gets "
                     "depends on its batch mates: %s", self.name, short, moved, scale, long_, why)
+
+
+class NotATensor(TypeError):
+    """A module answered something other than one tensor."""
 
 
 def _moved(a: np.ndarray, b: np.ndarray) -> float:

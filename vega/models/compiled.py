@@ -58,6 +58,7 @@ class CompiledModel(SequenceModel):
     as for any batch)."""
 
     holds_gil = True  # a whole forward pass in one call: keep it off the loop's process
+    inputs_hint = " (the shape it was exported for)"
 
     def __init__(self, path: str, name: str) -> None:
         metadata = read_metadata(path)

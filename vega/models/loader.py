@@ -89,12 +89,15 @@ def _python(target: str, name: str) -> ModelAdapter:
 
 
 def _wrap_module(module: Any, name: str) -> ModelAdapter:
-    """A bare torch module: its ``vega_channels``/``vega_max_length`` attributes, else 8/512."""
+    """A bare torch module: its ``vega_channels``/``vega_max_length`` attributes, else 8/512;
+    one that takes no ``lengths`` or holds other than float32 weights, fitted to them."""
     if not callable(module):
         raise ModelLoadError(f"model {name!r} is neither an adapter nor a torch module")
+    from vega.models.fitted import fitted
+
     channels = int(getattr(module, "vega_channels", 8))
     max_length = int(getattr(module, "vega_max_length", 512))
-    return SequenceModel(module, name, channels=channels, max_length=max_length)
+    return SequenceModel(fitted(module), name, channels=channels, max_length=max_length)
 
 
 def check_fallback(spec: str, main: ModelAdapter, fallback: ModelAdapter,

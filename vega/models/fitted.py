@@ -1,0 +1,69 @@
+"""A user's torch module fitted to the call Vega makes: ``module(x, lengths)``, x float32.
+
+Most modules written for a fixed window take only ``x``, and a module may hold its weights
+in float16, bfloat16 or float64. Such a module is wrapped rather than refused: its
+``lengths`` are dropped, its input cast to its weights' type. Anything else about the call
+(a different argument, another number of channels) is the module's to declare.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+
+class Fitted(torch.nn.Module):
+    """``inner`` called as Vega calls a module. ``takes_lengths``: whether it is given them
+    (without them, a window padded to a longer batch mate's length is read with its zeros)."""
+
+    def __init__(self, inner: torch.nn.Module, takes_lengths: bool,
+                 dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.takes_lengths = takes_lengths
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> Any:
+        if self.dtype is not None:
+            x = x.to(self.dtype)
+        return self.inner(x, lengths) if self.takes_lengths else self.inner(x)
+
+
+def fitted(module: Any) -> Any:
+    """``module`` itself where it takes ``(x float32, lengths)``; else a ``Fitted`` around it."""
+    if not isinstance(module, torch.nn.Module):
+        return module
+    takes_lengths = positional_arguments(module) != 1
+    dtype = weights_dtype(module)
+    if takes_lengths and dtype in (None, torch.float32):
+        return module
+    return Fitted(module, takes_lengths, None if dtype == torch.float32 else dtype)
+
+
+def positional_arguments(module: torch.nn.Module) -> int | None:
+    """How many positional arguments ``module``'s forward takes (None: any number, or
+    not known)."""
+    if isinstance(module, torch.jit.ScriptModule):
+        try:
+            return len(getattr(module.forward, "schema").arguments) - 1  # less self
+        except (AttributeError, RuntimeError):
+            return None
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = [p.kind for p in parameters]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return None
+    return sum(kind in (inspect.Parameter.POSITIONAL_ONLY,
+                        inspect.Parameter.POSITIONAL_OR_KEYWORD) for kind in kinds)
+
+
+def weights_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The floating-point type of the module's first weight or buffer (None: it has none)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return None
