@@ -312,6 +312,42 @@ def test_a_python_model_is_found_in_the_working_directory(
     assert sys.path[-1] == str(tmp_path)  # after every installed package
 
 
+def test_python_names_a_module_a_factory_or_a_class_as_a_user_writes_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "vega_user_kinds.py").write_text(
+        "import torch\n\n"
+        "class Sum(torch.nn.Module):\n"
+        "    def forward(self, x, lengths):\n"
+        "        return x.sum(dim=1)\n\n"
+        "model = Sum()\n"
+        "def build():\n"
+        "    return Sum()\n"
+        "def build_named(name, device='cpu'):\n"
+        "    return Sum()\n"
+        "def broken(name):\n"
+        "    raise FileNotFoundError('weights.pt')\n"
+        "def two(name, device):\n"
+        "    return Sum()\n"
+        "number = 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "vega_user_kinds", raising=False)
+    window = np.ones((2, 8), np.float32)
+    for attr in ("model", "build", "build_named", "Sum"):  # an instance, factories, a class
+        model = load_model(f"python:vega_user_kinds:{attr}")
+        model.load("cpu")
+        assert model.name == attr
+        np.testing.assert_allclose(model.run([window], 2)[0], np.full(8, 2.0))
+    with caplog.at_level("ERROR", logger="vega.models"):
+        with pytest.raises(ModelLoadError, match="building the model raised FileNotFoundError"):
+            load_model("python:vega_user_kinds:broken")
+    assert "raise FileNotFoundError" in caplog.text  # the user's traceback, in the log
+    for attr, message in (("two", "takes neither the model's name nor nothing"),
+                          ("number", "found 'int', not a torch module")):
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(f"python:vega_user_kinds:{attr}")
+
+
 def test_torchscript_compiles_at_load_not_in_the_first_timed_pass() -> None:
     # TorchScript's profiling executor compiles on a module's second call (~300 ms here);
     # load() makes both calls, so warm-up and `vega profile` time only compiled passes.

@@ -4,12 +4,17 @@ into an adapter."""
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from vega.models.base import ModelAdapter, SequenceModel
+
+
+log = logging.getLogger("vega.models")
 
 
 class ModelLoadError(Exception):
@@ -79,13 +84,59 @@ def _python(target: str, name: str) -> ModelAdapter:
     if here not in sys.path:
         sys.path.append(here)
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        found = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ModelLoadError(f"python:{target}: {exc}") from None
-    built = factory(name) if callable(factory) else factory
+    except Exception as exc:  # the user's module failed as it was imported
+        raise _user_code_failed(target, "importing", exc) from None
+    built = _built(found, target, name)
     if isinstance(built, ModelAdapter):
         return built
     return _wrap_module(built, name)
+
+
+def _built(found: Any, target: str, name: str) -> Any:
+    """What ``python:module:attr`` names, built: a module or an adapter as it is; a
+    function called with the model's name if it takes one, else with nothing; a class
+    with nothing if it takes that, else with the name."""
+    import torch
+
+    if isinstance(found, torch.nn.Module) or (
+            not isinstance(found, type) and isinstance(found, ModelAdapter)):
+        return found
+    if not callable(found):
+        raise ModelLoadError(f"python:{target}: found {type(found).__name__!r}, not a torch "
+                             "module, an adapter, or a callable that builds one")
+    # A class is built as written first (nn.Module's takes any arguments, then refuses).
+    tries = ((), (name,)) if isinstance(found, type) else ((name,), ())
+    try:
+        signature = inspect.signature(found)
+    except (TypeError, ValueError):  # not known (a builtin): as documented, given the name
+        args: tuple[str, ...] | None = (name,)
+    else:
+        args = next((a for a in tries if _binds(signature, a)), None)
+    if args is None:
+        raise ModelLoadError(f"python:{target}: {signature} takes neither the model's "
+                             "name nor nothing")
+    try:
+        return found(*args)
+    except Exception as exc:
+        raise _user_code_failed(target, "building the model", exc) from None
+
+
+def _binds(signature: inspect.Signature, args: tuple[str, ...]) -> bool:
+    try:
+        signature.bind(*args)
+    except TypeError:
+        return False
+    return True
+
+
+def _user_code_failed(target: str, doing: str, error: Exception) -> ModelLoadError:
+    """A one-line start failure (exit status 3) for an error in the user's own code, whose
+    traceback goes to the log: that is where it is fixed."""
+    log.error("python:%s: %s failed", target, doing, exc_info=error)
+    return ModelLoadError(f"python:{target}: {doing} raised {type(error).__name__}: {error}")
 
 
 def _wrap_module(module: Any, name: str) -> ModelAdapter:
