@@ -218,3 +218,14 @@ def three_channels(name: str) -> Any:
             return summed
 
     return Linear()
+
+
+def torch_threads(name: str) -> Any:
+    """Answers, for each window, the intra-op threads torch runs it on."""
+    import torch
+
+    class Threads(torch.nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return torch.full((x.shape[0], 1), float(torch.get_num_threads()))
+
+    return Threads()

@@ -24,7 +24,8 @@ from tests.servers import VegaProcess, metric, served_device, wait_until
 from tests.virtual.test_batcher import config, item
 from vega.batcher import Batcher
 from vega.errors import VegaError
-from vega.executor import Executor
+from vega.config import load_settings
+from vega.executor import Executor, process_plan
 from vega.modelproc import ModelProcessError, ProcessPlan
 from vega.modelproc.child import serve as child_serve
 from vega.models import SequenceModel, load_model
@@ -126,6 +127,22 @@ def test_each_way_serves_a_users_module_that_vega_fits(way: str) -> None:
                                    np.outer([2, 9, 30], np.linspace(0.5, 2.0, 8)), rtol=1e-6)
         outputs, _ = executor.run_sync("no_lengths", windows[1:2] * 2, 9)  # one length
         np.testing.assert_allclose(np.stack(outputs), np.full((2, 8), 18.0))
+    finally:
+        executor.shutdown()
+
+
+def test_at_the_defaults_a_model_process_runs_torch_on_one_thread() -> None:
+    # A process a core: at torch's default, each of N processes would take all N cores.
+    spec = "python:tests.models:torch_threads"
+    settings = load_settings(environ={"VEGA_MODEL": spec, "VEGA_DEVICE": DEVICE})
+    model = load_model(spec, "threads")
+    executor = Executor({"threads": model}, torch_threads=settings.torch_threads,
+                        plan=process_plan(settings, [model], ((spec, "threads"),)))
+    executor.load(DEVICE)
+    try:
+        assert executor.kind == "process"
+        outputs, _ = executor.run_sync("threads", [np.ones((4, 8), np.float32)], 4)
+        assert float(outputs[0][0]) == 1.0
     finally:
         executor.shutdown()
 

@@ -166,8 +166,10 @@ class Settings:
         "Name the model is served under (default: derived from VEGA_MODEL).")
     device: str = setting("auto", _device, "cpu, cuda, cuda:N or auto",
         "Where the model runs; auto picks cuda when available.")
-    torch_threads: int = setting("0", _int(0), "an integer >= 0",
-        "torch intra-op threads per executor thread (0 = torch's default).")
+    torch_threads: int = setting("1", _int(0), "an integer >= 0",
+        "torch intra-op threads per executor thread: 1 for a process a core (at torch's "
+        "default every process takes every core); 0 = torch's default, for one process "
+        "on many cores.")
     executor_threads: int = setting("1", _int(1, 64), "an integer 1-64",
         "Executor threads running batches (one per device is usual).")
     executor: str = setting("auto", _choice("auto", "thread", "process"),
