@@ -228,6 +228,19 @@ def test_a_torchscript_module_taking_only_x_is_served(tmp_path: Path) -> None:
     np.testing.assert_allclose(model.run([window], 2)[0], window[-1])
 
 
+def test_a_univariate_window_may_be_sent_flat() -> None:
+    model = SequenceModel(torch.nn.Identity(), "one", channels=1, max_length=8)
+    flat, length = model.decode([1, 2, 3])
+    nested, _ = model.decode([[1], [2], [3]])
+    assert length == 3 and flat.shape == (3, 1) and flat.dtype == np.float32
+    np.testing.assert_array_equal(flat, nested)
+    for bad in ([1, "x"], [[1, 2], [3, 4]], list(range(9))):
+        with pytest.raises(VegaError):
+            model.decode(bad)
+    with pytest.raises(VegaError, match=r"expected shape \[L, 8\], got \[3\]"):
+        SequenceModel(torch.nn.Identity(), "eight", channels=8, max_length=8).decode([1, 2, 3])
+
+
 def test_weights_are_fixed_by_seed() -> None:
     a, b = load_model("sensor"), load_model("sensor")
     sample = a.example(32)

@@ -178,6 +178,8 @@ class SequenceModel:
         """Validate an already-built array (the binary tensor path skips JSON)."""
         if array.dtype.kind not in "iuf":
             raise invalid_input(f"expected numbers, got {_kind_name(array)}")
+        if array.ndim == 1 and self.channels == 1:  # a univariate series, sent flat
+            array = array[:, None]
         if array.ndim != 2 or array.shape[1] != self.channels:
             raise invalid_input(f"expected shape [L, {self.channels}], got {list(array.shape)}")
         length = array.shape[0]
