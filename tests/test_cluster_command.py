@@ -191,3 +191,20 @@ async def test_a_killed_process_is_restarted_and_no_caller_sees_a_502(
     finally:
         stop(proc)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_cluster_that_cannot_start_says_why_in_one_line_and_stops_everything(
+        tmp_path: Path) -> None:
+    require("nginx", "redis-server")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
+    environ.update(VEGA_MODEL="python:nosuch.module:build", PYTHONPATH=str(ROOT))
+    run_dir = Path(tempfile.mkdtemp(prefix="vega-cluster-test-"))
+    done = subprocess.run([sys.executable, "-m", "vega", "cluster", "-n", "1", "--listen",
+                           f"127.0.0.1:{free_port()}", "--dir", str(run_dir)],
+                          env=environ, capture_output=True, text=True, cwd=ROOT, timeout=100)
+    assert done.returncode == 3
+    assert done.stderr.splitlines() == [
+        "vega cluster: vega serve exited with 3: vega: python:nosuch.module:build: "
+        f"No module named 'nosuch' (logs in {run_dir})"]
+    assert subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True).returncode == 1

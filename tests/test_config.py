@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from vega.cli import main
+from vega.cli import main, uds_unusable
 from vega.config import (
     SPECS,
     ConfigError,
@@ -69,6 +70,12 @@ def test_redis_password_is_masked_everywhere() -> None:
     with pytest.raises(ConfigError) as caught:
         load_settings(environ={"VEGA_REDIS_URL": "http://user:s3cret@x"})
     assert "s3cret" not in str(caught.value)
+    for url in ("redis://redis.example:6380/0?password=s3cret",  # as redis-py reads it too
+                "unix:///run/redis.sock?db=1&Password=s3cret"):
+        s = load_settings(environ={"VEGA_REDIS_URL": url})
+        assert s.redis_url == url
+        assert "s3cret" not in repr(s) and "s3cret" not in str(s.public())
+        assert s.public()["redis_url"] == url.replace("s3cret", "***")
 
 
 def test_env_file_syntax_errors_are_reported(tmp_path: Path) -> None:
@@ -106,6 +113,24 @@ def test_serve_with_a_bad_setting_exits_2_and_unloadable_model_exits_3() -> None
                               "torchscript:/nonexistent.pt", "--port", "0"],
                              capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert missing.returncode == 3 and "cannot load" in missing.stderr
+
+
+def test_serve_refuses_a_unix_socket_another_server_listens_on(tmp_path: Path) -> None:
+    path = str(tmp_path / "vega.sock")
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(path)
+    other.listen()
+    try:
+        taken = subprocess.run([sys.executable, "-m", "vega", "serve", "--uds", path],
+                               capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert taken.returncode == 3 and "another process is listening on it" in taken.stderr
+    finally:
+        other.close()
+    assert uds_unusable(path) is None  # left behind by a process gone: served over
+    (tmp_path / "file").write_text("")
+    assert uds_unusable(str(tmp_path / "file")) == "it exists and is not a socket"
+    missing = tmp_path / "no"
+    assert uds_unusable(str(missing / "vega.sock")) == f"{missing} is not a directory"
 
 
 def test_each_setting_is_declared_once_as_a_field() -> None:

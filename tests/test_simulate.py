@@ -19,6 +19,7 @@ from tests.servers import VegaProcess, metric, wait_until
 from vega.config import load_settings
 from vega.lab import loadgen, profile, simclock, simulate, traffic
 from vega.lab.profile import LatencyModel
+from vega.outpath import unwritable
 
 pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
 
@@ -122,6 +123,44 @@ def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))
     assert LatencyModel.from_file(path).seconds(16, 1) == doc["seconds"]["16"]["1"]["p50"]
+
+
+@pytest.mark.parametrize("argv, status, message", [
+    (["--out", "{tmp}/missing/p.json"], 2, "missing does not exist"),
+    (["--out", "{tmp}"], 2, "is a directory"),
+    (["--torch-threads", "-1"], 2, "--torch-threads=-1: expected >= 0"),
+    (["--model", "python:nosuch.module:build"], 3, "No module named 'nosuch'"),
+    (["--model", "torchscript:{tmp}/none.pt"], 3, "cannot load"),
+])
+def test_profile_says_in_one_line_what_it_cannot_do_before_measuring(
+        argv: list[str], status: int, message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    profile.configure(parser)
+    args = parser.parse_args(["--out", str(tmp_path / "p.json"), "--sizes", "1",
+                              *(part.format(tmp=tmp_path) for part in argv)])
+    assert profile.run(args) == status
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_an_output_path_is_checked_before_the_work() -> None:
+    assert unwritable(Path("/proc/no/such")) == "/proc/no does not exist"
+    assert unwritable(Path("/etc/hostname"), directory=True) == \
+        "/etc/hostname exists and is not a directory"
+    assert unwritable(Path("/etc/hostname/reports"), directory=True) == \
+        "/etc/hostname is not a directory"
+
+
+def test_profile_times_sizes_past_the_max_batch_size_in_a_model_process() -> None:
+    # An operator asks what raising VEGA_MAX_BATCH_SIZE would buy: the model process's
+    # slot, sized for the setting's batch of the longest windows, must hold the larger one.
+    settings = load_settings(environ={"VEGA_MODEL": "python:tests.models:encoder_small",
+                                      "VEGA_MAX_BATCH_SIZE": "8"})
+    doc = profile.measure(settings, sizes=[80], repeats=1, buckets=[512])
+    assert doc["executor"] == "process"
+    assert doc["seconds"]["512"]["80"]["p50"] > 0
 
 
 # -- the simulator -------------------------------------------------------------------
@@ -326,6 +365,10 @@ def test_command_refuses_a_bad_setting(tmp_path: Path, capsys: pytest.CaptureFix
     args = parser.parse_args(["--latency", str(latency), "--set", "VEGA_MAX_BATCH_SIZE=0"])
     assert simulate.run(args) == simulate.EXIT_CONFIG
     assert "VEGA_MAX_BATCH_SIZE" in capsys.readouterr().err
+    # A sampling step of 0 once sampled one instant for ever, its memory growing.
+    args = parser.parse_args(["--latency", str(latency), "--snapshot-ms", "0"])
+    assert simulate.run(args) == simulate.EXIT_CONFIG
+    assert "--snapshot-ms=0: expected > 0" in capsys.readouterr().err
 
 
 # -- the simulator against a real server ---------------------------------------------

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -98,6 +99,10 @@ def serve(settings: Settings) -> int:
     sys.setswitchinterval(0.0001)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    why = uds_unusable(settings.uds) if settings.uds else None
+    if why is not None:
+        print(f"vega: VEGA_UDS={settings.uds}: {why}", file=sys.stderr)
+        return EXIT_STARTUP
     try:
         app, runtime = create_app(settings)
     except ModelLoadError as error:
@@ -112,6 +117,28 @@ def serve(settings: Settings) -> int:
     server.run()
     failed = not server.started or runtime.failed is not None
     return EXIT_STARTUP if failed else 0
+
+
+def uds_unusable(path: str) -> str | None:
+    """Why a server cannot listen on the unix socket ``path``, or None. A live socket there
+    is another server's: the event loop would remove it and take its place, silently."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"{directory} is not a directory"
+    if not os.path.lexists(path):
+        return None
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        return "it exists and is not a socket"
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return None  # left by a process that is gone: the loop replaces it
+    except OSError as error:
+        return f"cannot be checked: {error.strerror}"
+    finally:
+        probe.close()
+    return "another process is listening on it"
 
 
 # Collect the youngest generation after this many net new container objects, not 700:

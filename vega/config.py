@@ -342,13 +342,17 @@ _BY_ENV = {spec.env: spec for spec in SPECS}
 
 
 def mask_url(url: str) -> str:
-    """Hide the password of a URL (one host or several), keep the rest readable."""
+    """Hide the password of a URL (one host or several), in its user info or its query
+    (``?password=``, as redis-py reads it), and keep the rest readable."""
     parts = urlsplit(url)
     userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
+        url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def read_env_file(path: str | Path) -> dict[str, str]:

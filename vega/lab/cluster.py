@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"vega cluster: {error}", file=sys.stderr)
         return 2
+    if args.processes < 1:
+        print(f"vega cluster: -n {args.processes}: expected >= 1", file=sys.stderr)
+        return 2
     if shutil.which("nginx") is None:
         print("vega cluster: nginx not found on PATH", file=sys.stderr)
         return 3
@@ -106,8 +109,15 @@ def run(args: argparse.Namespace) -> int:
         return _supervise(procs, start)
     except KeyboardInterrupt:
         return 0
+    except StartFailed as error:
+        print(f"vega cluster: {error} (logs in {workdir})", file=sys.stderr)
+        return 3
     finally:
         _stop(procs)
+
+
+class StartFailed(Exception):
+    """A part of the cluster exited or never came up while it started."""
 
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -200,8 +210,22 @@ class _Hurry:
 def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None
            ) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # Ctrl-C is ours to pass on
+    _LOGS[proc.pid] = log
+    return proc
+
+
+_LOGS: dict[int, Path] = {}  # each process's output, by pid: what to quote when it fails
+
+
+def _exited(proc: subprocess.Popen[bytes]) -> str:
+    """What a process that exited while starting said last, as one line."""
+    name = "vega serve" if _is_vega(proc) else Path(str(
+        proc.args[0] if isinstance(proc.args, list) else proc.args)).name
+    log = _LOGS.get(proc.pid)
+    lines = log.read_text(errors="replace").strip().splitlines() if log is not None else []
+    return f"{name} exited with {proc.returncode}" + (f": {lines[-1][:300]}" if lines else "")
 
 
 def _start_redis(workdir: Path, procs: list[subprocess.Popen[bytes]]) -> str:
@@ -225,7 +249,7 @@ def _wait_ready(sockets: list[Path], procs: list[subprocess.Popen[bytes]]) -> No
     def ready() -> bool:
         for proc in procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+                raise StartFailed(_exited(proc))
         return all(_ready(path) for path in sockets)
     _wait_for(ready, "vega processes to warm up", timeout_s=300)
 
@@ -254,7 +278,7 @@ def _wait_for(check: object, what: str, timeout_s: float = 30) -> None:
     end = time.monotonic() + timeout_s
     while not check():  # type: ignore[operator]
         if time.monotonic() > end:
-            raise RuntimeError(f"timed out waiting for {what}")
+            raise StartFailed(f"timed out waiting for {what}")
         time.sleep(0.1)
 
 

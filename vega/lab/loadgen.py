@@ -42,6 +42,7 @@ from vega.lab.traffic import (
     parse_deadlines,
     resolve,
 )
+from vega.outpath import unwritable
 
 EXIT_NO_ANSWER = 1
 EXIT_USAGE = 2
@@ -240,6 +241,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     out = Path(options["out"] or "out/bench-" + datetime.datetime.now().strftime(
         "%Y%m%d-%H%M%S"))
+    problem = unwritable(out, directory=True)
+    if problem is not None:
+        print(f"vega bench: --out: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         report = run_loop(bench(options))
     except (TrafficError, OSError) as exc:

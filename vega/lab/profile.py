@@ -30,9 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from vega.config import ConfigError, Settings, length_bounds, load_settings
+from vega.modelproc.handle import ModelProcessError
+from vega.models.loader import ModelLoadError
+from vega.outpath import unwritable
 from vega.warmup import in_turn
 
 EXIT_CONFIG = 2
+EXIT_LOAD = 3  # as `vega serve` exits when its model cannot be loaded
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -57,12 +61,20 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as error:
         print(f"vega profile: {error}", file=sys.stderr)
         return EXIT_CONFIG
-    if args.repeats < 1:
-        print(f"vega profile: --repeats={args.repeats}: expected >= 1", file=sys.stderr)
+    problem = (f"--repeats={args.repeats}: expected >= 1" if args.repeats < 1 else
+               f"--torch-threads={args.torch_threads}: expected >= 0"
+               if args.torch_threads is not None and args.torch_threads < 0 else
+               unwritable(Path(args.out)))
+    if problem is not None:
+        print(f"vega profile: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    profile = measure(settings, model=args.model, device=args.device,
-                      torch_threads=args.torch_threads, buckets=buckets, sizes=sizes,
-                      repeats=args.repeats, progress=sys.stderr)
+    try:
+        profile = measure(settings, model=args.model, device=args.device,
+                          torch_threads=args.torch_threads, buckets=buckets, sizes=sizes,
+                          repeats=args.repeats, progress=sys.stderr)
+    except (ModelLoadError, ModelProcessError) as error:
+        print(f"vega profile: {error}", file=sys.stderr)
+        return EXIT_LOAD
     Path(args.out).write_text(json.dumps(profile, indent=1) + "\n")
     print(f"wrote {args.out}: {len(profile['buckets'])} buckets x {len(sizes)} sizes",
           file=sys.stderr)
@@ -95,8 +107,11 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
 
         torch.set_num_threads(threads)
     # The model runs where a server would run it (VEGA_EXECUTOR): the times include
-    # what handing a batch to a model process costs.
-    plan = process_plan(settings.replace(torch_threads=threads), [adapter], ((spec, name),))
+    # what handing a batch to a model process costs. Its slot holds the largest size asked
+    # for, which may pass VEGA_MAX_BATCH_SIZE (to tell what raising it would buy).
+    served = settings.replace(torch_threads=threads,
+                              max_batch_size=max(settings.max_batch_size, *sizes))
+    plan = process_plan(served, [adapter], ((spec, name),))
     executor = Executor({adapter.name: adapter}, threads=1, torch_threads=threads, plan=plan)
     executor.load(chosen)
     bounds = list(length_bounds(tuple(buckets or settings.length_buckets), adapter.max_length))

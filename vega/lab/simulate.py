@@ -34,6 +34,7 @@ from vega.lab.simdrive import Closed, drive, drive_closed
 from vega.lab.simjobs import SimJobs
 from vega.lab.simproc import OUTCOMES, Overflow, Requests, SimProcess
 from vega.lab.traffic import can_wait
+from vega.outpath import unwritable
 from vega.records import PRIORITY_NAMES
 
 EXIT_CONFIG = 2
@@ -296,6 +297,11 @@ def run(args: argparse.Namespace) -> int:
         latency = LatencyModel.from_file(args.latency)
         if args.processes < 1:
             raise ValueError(f"--processes={args.processes}: expected >= 1")
+        if not args.snapshot_ms > 0:  # the sampler would never move past its first instant
+            raise ValueError(f"--snapshot-ms={args.snapshot_ms:g}: expected > 0")
+        problem = unwritable(Path(traffic_options["out"] or "out/simulate"), directory=True)
+        if problem is not None:
+            raise ValueError(f"--out: {problem}")
         seed = traffic_options["seed"] if traffic_options["seed"] is not None else 0
         options = SimOptions(settings, latency, processes=args.processes,
                              deadlines_s=parse_deadlines(str(traffic_options["deadline_ms"])),

@@ -22,6 +22,7 @@ from typing import Any
 from vega.models.base import SequenceModel
 from vega.models.compiled import FORMAT, PREFIX
 from vega.models.loader import ModelLoadError, load_model
+from vega.outpath import unwritable
 
 EXIT_FAILED = 2
 MULTIPLES = (1, 2, 4, 8, 16, 32, 64)
@@ -48,6 +49,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
+        problem = unwritable(Path(args.out))
+        if problem is not None:
+            raise ExportError(f"--out {args.out}: {problem}")
         adapter = load_model(args.model)
         multiple = export_package(adapter, Path(args.out), device=args.device,
                                   multiples=(args.length_multiple,) if args.length_multiple
