@@ -7,6 +7,7 @@ server subprocess.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -32,6 +33,10 @@ class _Echo:
         self.hang_s = float(os.environ.get("TEST_HANG_MS", "0")) / 1000
         self.forwards: dict[float, int] = {}
         self.lock = threading.Lock()
+        # TEST_EXIT_LOG: a file that gets the pid of each process holding one that exits as
+        # a process does when it is stopped, not killed.
+        if os.environ.get("TEST_EXIT_LOG"):
+            atexit.register(_log_exit, os.environ["TEST_EXIT_LOG"])
 
     def to(self, device: Any) -> _Echo:
         time.sleep(float(os.environ.get("TEST_LOAD_SLEEP_MS", "0")) / 1000)  # a slow start
@@ -60,6 +65,11 @@ class _Echo:
         total = x.sum(dim=(1, 2))
         return torch.stack([total, lengths.to(x.dtype),
                             torch.full_like(total, float(batch))], dim=1)
+
+
+def _log_exit(path: str) -> None:
+    with open(path, "a") as log:
+        log.write(f"{os.getpid()}\n")
 
 
 def echo(name: str) -> SequenceModel:
@@ -218,6 +228,24 @@ def three_channels(name: str) -> Any:
             return summed
 
     return Linear()
+
+
+def spread_scaled(name: str) -> Any:
+    """Each channel's largest valid step above its mean, over its spread (scaling as RevIN
+    does, without an epsilon): a window constant in a channel answers NaN there."""
+    import torch
+
+    class SpreadScaled(torch.nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            valid = (torch.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]
+            n = lengths[:, None].to(x.dtype)
+            mean = (x * valid).sum(dim=1) / n
+            spread = (((x - mean[:, None]) * valid) ** 2).sum(dim=1).div(n).sqrt()
+            top = x.masked_fill(~valid, float("-inf")).amax(dim=1)
+            scaled: torch.Tensor = (top - mean) / spread
+            return scaled
+
+    return SpreadScaled()
 
 
 def torch_threads(name: str) -> Any:

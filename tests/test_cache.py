@@ -88,10 +88,17 @@ def test_a_hit_skips_the_model_and_returns_the_same_bytes(
         {"instances": [window(8, 0.25)]}))  # the list form answers a list: its own entry
     assert other.headers["x-vega-cache"] == "miss"
     assert forwarded(log) == base + 3
+    for ident in ("a", "b", "a"):  # an answer echoes the body's id: never another call's
+        tagged = httpx.post(server.url + "/v1/infer", content=orjson.dumps(
+            {"inputs": window(8, 0.25), "id": ident}))
+        assert tagged.json()["id"] == ident
+        assert tagged.json()["outputs"] == first.json()["outputs"]
+    assert tagged.headers["x-vega-cache"] == "hit"
+    assert forwarded(log) == base + 5
 
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'vega_cache_hits_total{model="echo",tier="local"} 1.0' in metrics
-    assert 'vega_cache_misses_total{model="echo"} 2.0' in metrics
+    assert 'vega_cache_hits_total{model="echo",tier="local"} 2.0' in metrics
+    assert 'vega_cache_misses_total{model="echo"} 4.0' in metrics
 
 
 def test_the_redis_tier_shares_hits_between_processes(

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -398,6 +399,18 @@ def test_requests_while_the_model_process_restarts_get_503_not_ready(
     assert int(answer.headers["retry-after"]) >= 1
     wait_until(lambda: ready(proc), 60, "ready again")
     assert infer(proc.url).status_code == 200
+
+
+def test_a_stopped_server_lets_its_model_process_exit_not_killed(
+        echo_process: Callable[..., VegaProcess], tmp_path: Path) -> None:
+    # The loop reads the child's pipe through a dup of it: left open, the child never saw
+    # the pipe close, and was killed after the grace period instead.
+    exits = tmp_path / "exits"
+    proc = echo_process(TEST_EXIT_LOG=str(exits))
+    assert infer(proc.url).status_code == 200
+    child = model_pid(proc)
+    assert proc.stop() == 0
+    assert exits.exists() and str(child) in exits.read_text().split()
 
 
 def test_auto_runs_an_eager_module_in_a_process_and_torchscript_in_a_thread(

@@ -4,6 +4,7 @@ DESIGN.md. Socket-level behaviour (a 413 before the body is read) is in test_hos
 from __future__ import annotations
 
 import asyncio
+import gzip
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -94,6 +95,7 @@ async def test_instances_are_answered_in_order(echo: httpx.AsyncClient) -> None:
     ({"inputs": [[0.0] * 8], "priority": "urgent"}, "invalid_input"),
     ({"inputs": [[0.0] * 8], "deadline_ms": -5}, "invalid_input"),
     ({"inputs": [[0.0] * 8], "deadline_ms": "soon"}, "invalid_input"),
+    ({"inputs": [[0.0] * 8], "id": 7}, "invalid_input"),
     ([1, 2, 3], "invalid_input"),
 ])
 async def test_bad_input_is_a_clear_4xx(sensor: httpx.AsyncClient, body: object, code: str) -> None:
@@ -105,17 +107,36 @@ async def test_bad_input_is_a_clear_4xx(sensor: httpx.AsyncClient, body: object,
 async def test_inference_paths_answer_only_post_and_real_paths(sensor: httpx.AsyncClient) -> None:
     # POSTs to the inference paths skip Starlette's router (vega/server.py HotRoutes);
     # anything else must still get what the router says.
-    assert (await sensor.get("/v1/infer")).status_code == 405
-    assert (await sensor.get("/v1/models/sensor/infer")).status_code == 405
-    for path in ("/v1/models/a/b/infer", "/v1/models//infer", "/v1/infer/"):
+    for path in ("/v1/infer", "/v1/models/sensor/infer"):
+        wrong = await sensor.get(path)
+        assert wrong.status_code == 405 and error_of(wrong) == "method_not_allowed"
+        assert wrong.headers["allow"] == "POST"
+    for path in ("/v1/models/a/b/infer", "/v1/models//infer", "/v1/infer/", "/nope"):
         answer = await post(sensor, {"inputs": window(4)}, path=path)
-        assert answer.status_code in (404, 307), path
+        assert answer.status_code == 404 and error_of(answer) == "not_found", path
+    v2 = await sensor.get("/v2/models/sensor/nope")  # the protocol's own error shape
+    assert v2.status_code == 404 and v2.json()["error"].startswith("not_found: ")
+    jobs = await sensor.put("/v1/jobs/abc")
+    assert jobs.status_code == 405 and set(jobs.headers["allow"].split(", ")) == \
+        {"GET", "HEAD", "DELETE"}
     assert (await post(sensor, {"inputs": window(4)}, path="/v1/infer")).status_code == 200
 
 
 async def test_bad_priority_header_is_422(sensor: httpx.AsyncClient) -> None:
     response = await post(sensor, {"inputs": window(4)}, headers={"X-Vega-Priority": "vip"})
     assert response.status_code == 422 and error_of(response) == "invalid_input"
+    # A field given as null is not given: the header under it is still read.
+    response = await post(sensor, {"inputs": window(4), "priority": None},
+                          headers={"X-Vega-Priority": "vip"})
+    assert response.status_code == 422 and "vip" in response.json()["error"]["message"]
+
+
+async def test_a_refused_instance_of_several_is_named(sensor: httpx.AsyncClient) -> None:
+    response = await post(sensor, {"instances": [window(4), window(4), [[0.1] * 7]]})
+    assert response.status_code == 422 and error_of(response) == "invalid_input"
+    assert response.json()["error"]["message"].startswith("instance 2: expected shape [L, 8]")
+    alone = await post(sensor, {"inputs": [[0.1] * 7]})
+    assert alone.json()["error"]["message"].startswith("expected shape [L, 8]")
 
 
 async def test_unknown_model_is_404(sensor: httpx.AsyncClient) -> None:
@@ -155,7 +176,7 @@ async def test_deadline_passing_while_running_is_504(echo: httpx.AsyncClient) ->
 
 
 async def test_deadline_header_and_priority_header_are_honoured(echo: httpx.AsyncClient) -> None:
-    response = await post(echo, {"inputs": window(8)},
+    response = await post(echo, {"inputs": window(8), "priority": None, "deadline_ms": None},
                     headers={"X-Vega-Priority": "critical", "X-Vega-Deadline-Ms": "9000"})
     assert response.status_code == 200
     # 1 ms cannot cover the batching window (2 ms): refused up front, not run late.
@@ -198,3 +219,37 @@ async def test_a_per_step_model_answers_each_window_with_its_own_rows() -> None:
         assert [len(rows) for rows in both] == [2, 9]
         metadata = (await client.get("/v2/models/per_step")).json()
         assert metadata["outputs"][0]["shape"] == [-1, -1, 3]
+
+
+async def test_a_nan_output_is_a_model_error_in_json_and_as_it_is_in_binary() -> None:
+    # A user's module answers NaN for a window its scaling cannot take (a constant one):
+    # JSON would carry it as null, which a caller may read as an answer.
+    rising = [[float(step)] * 8 for step in range(6)]
+    async with in_process({"VEGA_MODEL": "python:tests.models:spread_scaled"}) as (client, _):
+        assert len(outputs_of(await post(client, {"inputs": rising}))) == 8
+        for body in ({"inputs": window(6)}, {"instances": [rising, window(6)]}):
+            answer = await post(client, body)
+            assert answer.status_code == 500 and error_of(answer) == "model_error"
+            assert "NaN" in answer.json()["error"]["message"]
+        assert len(outputs_of(await post(client, {"instances": [rising, rising]}))) == 2
+        v2 = "/v2/models/spread_scaled/infer"
+        x = np.full((1, 6, 8), 0.5, np.float32)
+        tensor = {"name": "INPUT__0", "datatype": "FP32", "shape": [1, 6, 8]}
+        as_json = await post(client, {"inputs": [{**tensor, "data": x.ravel().tolist()}]}, v2)
+        assert as_json.status_code == 500 and "model_error" in as_json.json()["error"]
+        header = orjson.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": x.nbytes}}],
+                               "parameters": {"binary_data_output": True}})
+        as_binary = await client.post(v2, content=header + x.tobytes(), headers={
+            "Inference-Header-Content-Length": str(len(header))})
+        assert as_binary.status_code == 200
+        length = int(as_binary.headers["inference-header-content-length"])
+        assert np.isnan(np.frombuffer(as_binary.content[length:], np.float32)).all()
+
+
+async def test_a_gzip_body_is_read_on_v1_as_on_v2(sensor: httpx.AsyncClient) -> None:
+    body = orjson.dumps({"inputs": window(20)})
+    plain = outputs_of(await post(sensor, body))
+    packed = await post(sensor, gzip.compress(body), headers={"Content-Encoding": "gzip"})
+    assert outputs_of(packed) == plain
+    cut = await post(sensor, gzip.compress(body)[:-4], headers={"Content-Encoding": "gzip"})
+    assert cut.status_code == 400 and error_of(cut) == "invalid_json"

@@ -196,6 +196,28 @@ async def test_a_job_whose_model_raises_is_retried_then_failed_and_dead_lettered
         assert 'vega_jobs_retried_total{model="echo"} 2.0' in metrics
 
 
+async def test_a_job_the_model_answers_nan_for_fails_at_once_not_retried() -> None:
+    # The same window would answer NaN again: no retry, no dead letter, and no outputs of
+    # null stored as its result.
+    env = {"VEGA_MODEL": "python:tests.models:spread_scaled", "VEGA_MAX_ATTEMPTS": "3"}
+    async with in_process({**BASE, **env}) as (client, runtime):
+        rising = [[float(step)] * 8 for step in range(6)]
+        done = await until_final(client, (await submit(client, {"inputs": rising})).json()["id"])
+        assert done["status"] == "done" and len(done["outputs"]) == 8
+        constant = (await submit(client, {"inputs": window(6)})).json()["id"]
+        final = await until_final(client, constant)
+        assert final["status"] == "failed" and final["error"]["code"] == "model_error"
+        assert "NaN" in final["error"]["message"] and "outputs" not in final
+        await settled(runtime)
+        stats = runtime.jobs.stats["spread_scaled"]
+        assert stats.dead_letters == 0
+        metrics = (await client.get("/metrics")).text
+        retried = [line for line in metrics.splitlines()
+                   if line.startswith('vega_jobs_retried_total{model="spread_scaled"}')]
+        assert retried in ([], ['vega_jobs_retried_total{model="spread_scaled"} 0.0'])
+        assert 'vega_jobs_total{model="spread_scaled",outcome="failed"} 1.0' in metrics
+
+
 async def test_an_idempotency_key_gives_one_job_and_another_body_is_422(
         store_env: dict[str, str]) -> None:
     async with served(**store_env) as (client, runtime, _):

@@ -6,6 +6,7 @@ model with two inputs (INT64 and BYTES), which no built-in model has.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,6 +22,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 from tests.servers import VegaProcess, wait_until
 from vega.config import load_settings
 from vega.errors import VegaError
+from vega.httpio import decompress
 from vega.models import TensorSpec
 from vega.oip.binary import from_binary, from_json, to_binary
 from vega.oip.routes import parse_request, request_deadline_ms, request_priority
@@ -310,3 +312,16 @@ def test_priority_and_deadline_rules() -> None:
     assert request_deadline_ms({"timeout": 0}, "40", settings) == 40
     assert request_deadline_ms({}, None, settings) == settings.default_deadline_ms
     assert request_deadline_ms({"timeout": 10**12}, None, settings) == 5000
+
+
+def test_a_compressed_body_is_read_only_whole() -> None:
+    doc = b'{"inputs": []}'
+    packed = gzip.compress(doc)
+    assert decompress(packed, "gzip", 1000) == doc
+    for broken in (packed[:-4], packed + b"{}", packed + gzip.compress(b"{}")):
+        with pytest.raises(VegaError, match="not one whole gzip stream") as caught:
+            decompress(broken, "gzip", 1000)
+        assert caught.value.status == 400
+    with pytest.raises(VegaError) as caught:
+        decompress(packed, "gzip", 5)
+    assert caught.value.code == "payload_too_large"

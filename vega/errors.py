@@ -7,8 +7,10 @@ import math
 STATUS_BY_CODE: dict[str, int] = {
     "invalid_json": 400,
     "unauthorized": 401,
+    "not_found": 404,
     "model_not_found": 404,
     "job_not_found": 404,
+    "method_not_allowed": 405,
     "conflict": 409,
     "payload_too_large": 413,
     "invalid_input": 422,

@@ -299,6 +299,13 @@ class Executor:
         finally:
             self._runners.put(runner)
 
+    async def stop(self) -> None:
+        """``shutdown`` from the loop: the model processes' pipes are let go of here first
+        (``ModelProcess.stop_reading``), then the threads and processes end in a thread."""
+        for process in self.processes:
+            process.stop_reading()
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         for process in self.processes:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import orjson
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
@@ -29,6 +31,33 @@ JSON = "application/json"
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status,
                     headers=headers, media_type=JSON)
+
+
+def outputs_json(doc: Any) -> bytes:
+    """``doc`` (a model's outputs within an answer) as JSON; a non-finite output refused.
+
+    JSON has no NaN or infinity (orjson writes ``null``, as JavaScript does), so a number
+    the model failed to compute would reach the caller as a ``null`` it may not check for.
+    A body holds ``null`` only for such a value or a string containing it, so the outputs
+    are walked only then.
+    """
+    body = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if b"null" in body and not _finite(doc):
+        raise VegaError("model_error", "the model answered NaN or infinity, which JSON cannot "
+                        "carry (a binary /v2 output carries it as it is)")
+    return body
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+    if isinstance(value, (float, np.floating)):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    return True
 
 
 class Sent:
@@ -123,6 +152,25 @@ async def read_body(request: Request, limit: int) -> bytes:
             return b"".join(chunks)  # one chunk comes back as it is, not copied
 
 
+def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """Undo a gzip/deflate ``Content-Encoding``, never inflating past ``limit`` bytes."""
+    if not encoding or encoding.strip().lower() == "identity":
+        return body
+    wbits = {"gzip": 31, "deflate": 15}.get(encoding.strip().lower())
+    if wbits is None:
+        raise VegaError("invalid_json", f"Content-Encoding {encoding!r} is not supported")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise VegaError("invalid_json", f"body is not valid {encoding}: {exc}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise VegaError("payload_too_large", f"body inflates to over {limit} bytes")
+    if not inflater.eof or inflater.unused_data:  # cut short, or more after its end
+        raise VegaError("invalid_json", f"body is not one whole {encoding} stream")
+    return out
+
+
 def parse_json(body: bytes) -> Any:
     try:
         return orjson.loads(body)
@@ -135,7 +183,8 @@ def parse_priority(value: Any, default: int = NORMAL) -> int:
         return default
     if isinstance(value, str) and value.strip().lower() in PRIORITY_BY_NAME:
         return PRIORITY_BY_NAME[value.strip().lower()]
-    raise VegaError("invalid_input", f"priority must be one of {', '.join(PRIORITY_NAMES)}")
+    raise VegaError("invalid_input", f"priority {str(value)[:40]!r} is not one of "
+                    f"{', '.join(PRIORITY_NAMES)}")
 
 
 # After a "priority" key: the colon and the string value, as JSON may space them.

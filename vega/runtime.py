@@ -22,7 +22,7 @@ from vega.errors import REFUSALS, VegaError
 from vega.executor import Executor, pick_device, process_plan
 from vega.jobs.lane import JobLane
 from vega.metrics import Metrics
-from vega.models import ModelAdapter, load_model
+from vega.models import ModelAdapter, decode_all, load_model
 from vega.models.loader import ModelLoadError, check_fallback
 from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
 from vega.pressure.looplag import LoopLag
@@ -220,7 +220,7 @@ class Runtime:
                 await asyncio.gather(served.task, return_exceptions=True)
         if self.streams is not None:
             await self.streams.stop()
-        await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown)
+        await self.executor.stop()
 
     # -- the request path ----------------------------------------------------------
 
@@ -269,7 +269,7 @@ class Runtime:
         served, costs = self._admit(asked, instances, priority, deadline, now)
         batcher = served.batcher
         try:
-            decoded = [served.adapter.decode(instance) for instance in instances]
+            decoded = decode_all(served.adapter, instances)
         except VegaError:
             served.admission.refund(costs)
             raise

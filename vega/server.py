@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match, Route
@@ -29,8 +30,10 @@ from vega.errors import VegaError
 from vega.httpio import (
     HotRequest,
     Sent,
+    decompress,
     error_response,
     json_response,
+    outputs_json,
     parse_deadline_ms,
     parse_json,
     parse_priority,
@@ -40,6 +43,7 @@ from vega.jobs.routes import JobsApi
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from vega.models import ModelAdapter
 from vega.oip.routes import OipApi
+from vega.oip.routes import error_response as oip_error_response
 from vega.pressure.cache import ResponseCache, models_to_cache
 from vega.pressure.idempotency import Idempotency, fingerprint
 from vega.runtime import Answer, Runtime
@@ -66,10 +70,16 @@ def parse_infer_body(doc: Any, request: Request, settings: Settings
         raise VegaError("invalid_input", "'instances' must be a non-empty list")
     if len(instances) > settings.max_instances:
         raise VegaError("invalid_input", f"more than {settings.max_instances} instances")
-    priority = parse_priority(doc.get("priority", request.headers.get("x-vega-priority")))
-    deadline_ms = parse_deadline_ms(doc.get("deadline_ms",
-                                            request.headers.get("x-vega-deadline-ms")), settings)
+    # A field given as null is not given: the header, if any, stands (as on /v2).
+    priority = parse_priority(_field(doc, "priority", request, "x-vega-priority"))
+    deadline_ms = parse_deadline_ms(_field(doc, "deadline_ms", request, "x-vega-deadline-ms"),
+                                    settings)
     return instances, single, priority, deadline_ms
+
+
+def _field(doc: dict[str, Any], name: str, request: Request, header: str) -> Any:
+    value = doc.get(name)
+    return request.headers.get(header) if value is None else value
 
 
 class V1:
@@ -93,16 +103,26 @@ class V1:
         The parsed document ends here: the runtime empties ``call.instances`` once it
         has decoded them, and no frame that waits may still hold the rest of it.
         """
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None:
+            body = decompress(body, encoding, self.settings.max_body_bytes)
         doc = parse_json(body)
         instances, single, priority, deadline_ms = parse_infer_body(doc, request, self.settings)
+        ident = doc.get("id")
+        if ident is not None and not (isinstance(ident, str) and len(ident) <= 256):
+            raise VegaError("invalid_input", "id must be a string of at most 256 characters")
+        shape = "1" if single else "n"  # the answer echoes the id: it keys a cached one too
         return Call(request, self, model, instances, priority, deadline_ms,
-                    variant="1" if single else "n",
-                    fingerprint=fingerprint(doc) if keyed else "", context=single)
+                    variant=shape if ident is None else f"{shape}:{ident}",
+                    fingerprint=fingerprint(doc) if keyed else "", context=(single, ident))
 
     def render(self, call: Call, answer: Answer) -> Reply:
-        outputs = answer.outputs[0] if call.context else answer.outputs
-        body = orjson.dumps({"model": answer.model or call.model, "outputs": outputs},
-                            option=orjson.OPT_SERIALIZE_NUMPY)
+        single, ident = call.context
+        outputs = answer.outputs[0] if single else answer.outputs
+        doc = {"model": answer.model or call.model, "outputs": outputs}
+        if ident is not None:
+            doc["id"] = ident
+        body = outputs_json(doc)
         headers = {"Server-Timing": f"queue;dur={1000 * answer.queue_s:.2f}, "
                                     f"infer;dur={1000 * answer.infer_s:.2f}"}
         if answer.degraded:
@@ -187,6 +207,19 @@ def describe(adapter: ModelAdapter, settings: Settings) -> dict[str, Any]:
     }
 
 
+async def _not_routed(request: Request, exc: Exception) -> Response:
+    """The router's 404 and 405, in the error shape of the path's protocol."""
+    assert isinstance(exc, HTTPException)
+    allowed = exc.status_code == 405
+    error = VegaError("method_not_allowed" if allowed else "not_found",
+                      f"{request.method} {request.url.path[:200]}: "
+                      f"{'not a method this path takes' if allowed else 'no such route'}")
+    response = (oip_error_response(error) if request.url.path.startswith("/v2/")
+                else error_response(error))
+    response.headers.update(exc.headers or {})  # Allow
+    return response
+
+
 def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
                runtime: Runtime | None = None) -> tuple[ASGIApp, Runtime]:
     """The ASGI app and the runtime it serves; the app's lifespan starts (warm-up) and stops it."""
@@ -222,7 +255,10 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
         *oip.routes(),
         *jobs.routes(),
     ]
-    app: ASGIApp = HotRoutes(Starlette(routes=routes, lifespan=lifespan), hot)
+    router = Starlette(routes=routes, lifespan=lifespan,
+                       exception_handlers={HTTPException: _not_routed})
+    router.router.redirect_slashes = False  # a 307 to an absolute URL, wrong behind a proxy
+    app: ASGIApp = HotRoutes(router, hot)
     auth = BearerAuthMiddleware(app, tokens=settings.auth_tokens.split(","),
                                 open_paths=[p.strip() for p in settings.auth_open_paths.split(",")])
     if auth.tokens:  # without any, the layer would only cost each request a coroutine

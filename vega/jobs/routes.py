@@ -23,6 +23,7 @@ from vega.config import Settings
 from vega.errors import VegaError, invalid_input
 from vega.httpio import (
     JSON,
+    decompress,
     error_response,
     json_response,
     parse_json,
@@ -30,6 +31,7 @@ from vega.httpio import (
 )
 from vega.jobs.runner import STORE_ERRORS
 from vega.jobs.store import CANCELLED, QUEUED, Job, new_id, valid_id, wall_ms
+from vega.models import decode_all
 from vega.pressure.idempotency import KEY_PATTERN, fingerprint
 from vega.records import NORMAL
 from vega.runtime import Runtime
@@ -59,8 +61,11 @@ class JobsApi:
     def routes(self) -> list[Route]:
         return [Route("/v1/jobs", self.submit, methods=["POST"]),
                 Route("/v1/models/{name}/jobs", self.submit, methods=["POST"]),
-                Route("/v1/jobs/{id}", self.get, methods=["GET"]),
-                Route("/v1/jobs/{id}", self.cancel, methods=["DELETE"])]
+                Route("/v1/jobs/{id}", self.job, methods=["GET", "DELETE"])]
+
+    async def job(self, request: Request) -> Response:
+        """One route for both, so that a 405 names every method the path takes."""
+        return await (self.cancel if request.method == "DELETE" else self.get)(request)
 
     async def submit(self, request: Request) -> Response:
         started = asyncio.get_running_loop().time()
@@ -97,13 +102,14 @@ class JobsApi:
         runtime.check_open()
         served = runtime.served(name)
         key = _idempotency_key(request.headers.get("idempotency-key"))
+        limit = self.settings.max_body_bytes
+        body = decompress(body, request.headers.get("content-encoding"), limit)
         doc = parse_json(body)
         print_ = fingerprint(doc) if key is not None else ""
         ttl_s = self._ttl_s(doc.pop("ttl_s", None) if with_ttl and isinstance(doc, dict)
                             else None)
         instances, single, priority, _deadline = self.parse_body(doc, request, self.settings)
-        for instance in instances:  # the model's own check, as /v1/infer makes it
-            served.adapter.decode(instance)
+        decode_all(served.adapter, instances)  # the model's own check, as /v1/infer makes it
         now_ms = wall_ms()
         job = Job(id=new_id(), model=served.adapter.name, instances=orjson.dumps(instances),
                   single=single, priority=priority, created_ms=now_ms,

@@ -21,8 +21,9 @@ from redis import exceptions as rexc
 
 from vega.batcher import Batcher
 from vega.errors import VegaError
+from vega.httpio import outputs_json
 from vega.jobs.store import DONE, EXPIRED, FAILED, FINAL, Job, wall_ms
-from vega.models import ModelAdapter
+from vega.models import ModelAdapter, decode_all
 from vega.records import JOB, Item
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class JobRunner:
             instances = orjson.loads(job.instances)
             if not isinstance(instances, list) or not instances:
                 raise VegaError("invalid_input", "a job holds no instances")
-            decoded = [self.adapter.decode(instance) for instance in instances]
+            decoded = decode_all(self.adapter, instances)
         except (VegaError, orjson.JSONDecodeError) as error:
             message = error.message if isinstance(error, VegaError) else "inputs are not JSON"
             self._spawn(self._end(job, FAILED, error={"code": "invalid_input",
@@ -145,9 +146,13 @@ class JobRunner:
                       or item.future.exception() is not None]
             if not errors:
                 outputs = [item.future.result() for item in items]
-                body = orjson.dumps(outputs[0] if job.single else outputs,
-                                    option=orjson.OPT_SERIALIZE_NUMPY)
-                await self._end(job, DONE, outputs=body)
+                try:
+                    body = outputs_json(outputs[0] if job.single else outputs)
+                except VegaError as error:  # the same inputs would answer the same: no retry
+                    await self._end(job, FAILED, error={"code": error.code,
+                                                        "message": error.message})
+                else:
+                    await self._end(job, DONE, outputs=body)
             elif any(isinstance(e, VegaError) and e.code in MISSED for e in errors):
                 await self._end(job, EXPIRED)  # its ttl passed (or would) while queued here
             elif job.attempts < self.lane.max_attempts:

@@ -297,6 +297,22 @@ class ModelProcess:
         for sent in held:
             sent.answered(None, 0.0, time.monotonic(), ModelProcessError(f"model process {why}"))
 
+    def stop_reading(self) -> None:
+        """On the loop, before ``close``: stop reading the child's pipe there. The loop's
+        dup of it would keep the pipe open after ``close`` closes ``conn``, so the child
+        would never see its end and be killed after the grace period instead of exiting."""
+        life = self._life
+        if life is None or life.reader is None or life.loop is None:
+            return
+        if life.timer is not None:
+            life.timer.cancel()
+        life.loop.remove_reader(life.reader.fileno())
+        life.reader.close()
+        life.reader = None
+        held, life.in_child = list(life.in_child), deque()
+        for sent in held:  # none, after a drain
+            sent.answered(None, 0.0, time.monotonic(), ModelProcessError("server stopping"))
+
     def close(self) -> None:
         """Stop the child (it exits when its pipe closes) and free the slot."""
         self._closed = True

@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from vega.errors import invalid_input
+from vega.errors import VegaError, invalid_input
 
 log = logging.getLogger("vega.models")
 
@@ -59,6 +59,19 @@ class ModelAdapter(Protocol):
 
     def example(self, length: int) -> Any:
         """A decoded sample of ``length`` for warm-up and profiling."""
+
+
+def decode_all(adapter: ModelAdapter, instances: list[Any]) -> list[tuple[Any, int]]:
+    """Each instance decoded, in order; one of several refused says which (from 0)."""
+    decoded = []
+    try:
+        for instance in instances:
+            decoded.append(adapter.decode(instance))
+    except VegaError as error:
+        if len(instances) == 1:
+            raise
+        raise VegaError(error.code, f"instance {len(decoded)}: {error.message}") from None
+    return decoded
 
 
 class SequenceModel:

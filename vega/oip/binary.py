@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import struct
-import zlib
 from typing import Any
 
 import numpy as np
@@ -49,28 +48,12 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     """(JSON header, binary part) by ``Inference-Header-Content-Length``."""
     if header_length is None:
         return body, memoryview(b"")
-    if not header_length.strip().isdigit() or int(header_length) > len(body):
+    digits = header_length.strip()
+    if not (digits.isascii() and digits.isdigit()) or int(digits) > len(body):
         raise VegaError("invalid_json", f"Inference-Header-Content-Length {header_length!r} "
                         f"is not a length within the {len(body)}-byte body")
-    size = int(header_length)
+    size = int(digits)
     return body[:size], memoryview(body)[size:]
-
-
-def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
-    """Undo a gzip/deflate ``Content-Encoding``, never inflating past ``limit`` bytes."""
-    if not encoding or encoding.strip().lower() == "identity":
-        return body
-    wbits = {"gzip": 31, "deflate": 15}.get(encoding.strip().lower())
-    if wbits is None:
-        raise VegaError("invalid_json", f"Content-Encoding {encoding!r} is not supported")
-    inflater = zlib.decompressobj(wbits)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise VegaError("invalid_json", f"body is not valid {encoding}: {exc}") from None
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise VegaError("payload_too_large", f"body inflates to over {limit} bytes")
-    return out
 
 
 def from_binary(datatype: str, shape: list[int], raw: memoryview, what: str) -> np.ndarray:

@@ -35,7 +35,9 @@ from vega.config import Settings
 from vega.errors import VegaError, invalid_input
 from vega.httpio import (
     JSON,
+    decompress,
     json_response,
+    outputs_json,
     parse_deadline_ms,
     parse_json,
     parse_priority,
@@ -44,7 +46,6 @@ from vega.models import ModelAdapter, TensorSpec
 from vega.oip.binary import (
     as_datatype,
     check_datatype,
-    decompress,
     from_binary,
     from_json,
     split_body,
@@ -403,7 +404,7 @@ def infer_reply(answer: Answer, request: InferRequest, adapter: ModelAdapter) ->
                            "outputs": tensors}
     if request.id is not None:
         doc["id"] = request.id
-    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    header = outputs_json(doc)
     headers = {"Server-Timing": f"queue;dur={1000 * answer.queue_s:.2f}, "
                                 f"infer;dur={1000 * answer.infer_s:.2f}"}
     if not blobs:
