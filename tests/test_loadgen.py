@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -102,6 +103,27 @@ def test_spec_file_then_flags_win(tmp_path: Path) -> None:
     spec.write_text("rate=fast\n")
     with pytest.raises(traffic.TrafficError):
         traffic.resolve(vars(parser.parse_args(["--spec", str(spec)])))
+
+
+@pytest.mark.parametrize("argv, spec, message", [
+    (["--requests", "-3"], None, "requests must be >= 1"),
+    (["--requests", "0"], None, "requests must be >= 1"),
+    (["--seed", "-1"], None, "seed must be >= 0"),
+    (["--poll-s", "-1"], None, "poll_s must be >= 0"),
+    (["--path", "v1/infer"], None, "must start with /"),
+    (["--deadline-ms", "abc"], None, "deadline_ms 'abc'"),
+    (["--deadline-ms", "0"], None, "each deadline must be a number > 0"),
+    ([], {"rate": None, "duration_s": 1}, "rate must be > 0, not None"),
+])
+def test_bad_options_are_refused_before_any_load(argv: list[str], spec: Any, message: str,
+                                                 tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    loadgen.configure(parser)
+    if spec is not None:
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        argv = [*argv, "--spec", str(tmp_path / "spec.json")]
+    with pytest.raises(traffic.TrafficError, match=re.escape(message)):
+        traffic.resolve(vars(parser.parse_args(argv)))
 
 
 # --- HDR histogram -----------------------------------------------------------------
@@ -239,6 +261,23 @@ def test_open_loop_run_against_vega(vega: Callable[..., VegaProcess], tmp_path: 
     s = report["summary"]
     assert s["sent"] == sum(s["counts_by_status"].values()) == s["offered"] > 0
     assert report["meta"]["mode"] == "closed" and report["client"]["max_connections_used"] == 4
+
+
+def test_bench_sends_a_bearer_token_and_keeps_it_out_of_its_report(
+        vega: Callable[..., VegaProcess], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_AUTH_TOKENS="s3cret")
+    for token, status in ((None, "401"), ("s3cret", "200")):
+        out = tmp_path / str(status)
+        code = loadgen.main([server.url, "--mode", "closed", "--connections", "2",
+                             "--duration-s", "0.5", "--no-progress", "--no-plots",
+                             "--poll-s", "0", "--no-metrics", "--out", str(out),
+                             *(["--token", token] if token else [])])
+        assert code == 0
+        text = (out / "report.json").read_text()
+        assert set(json.loads(text)["summary"]["counts_by_status"]) == {status}
+        assert "s3cret" not in text
+        assert ("wants a bearer token" in capsys.readouterr().err) is (token is None)
 
 
 # --- the async lane's client side, against a double of its contract ----------------

@@ -369,6 +369,16 @@ def test_command_refuses_a_bad_setting(tmp_path: Path, capsys: pytest.CaptureFix
     args = parser.parse_args(["--latency", str(latency), "--snapshot-ms", "0"])
     assert simulate.run(args) == simulate.EXIT_CONFIG
     assert "--snapshot-ms=0: expected > 0" in capsys.readouterr().err
+    longest = max(int(b) for b in PROFILE["buckets"])
+    args = parser.parse_args(["--latency", str(latency), "--lengths", str(longest + 1)])
+    assert simulate.run(args) == simulate.EXIT_CONFIG  # a server would answer each 422
+    assert f"the profile's model takes 1..{longest}" in capsys.readouterr().err
+    broken: list[Any] = [[1, 2], {"buckets": [], "sizes": [], "seconds": {}}]
+    for doc in broken:
+        latency.write_text(json.dumps(doc))
+        args = parser.parse_args(["--latency", str(latency)])
+        assert simulate.run(args) == simulate.EXIT_CONFIG
+        assert "not a profile written by `vega profile`" in capsys.readouterr().err
 
 
 # -- the simulator against a real server ---------------------------------------------

@@ -79,6 +79,14 @@ def _text(raw: str) -> str:
     return raw.strip()
 
 
+def _name(raw: str) -> str:
+    """A model's name: one segment of /v1/models/{name}/infer, a label, a Redis key part."""
+    value = raw.strip()
+    if len(value) > 128 or any(c == "/" or c.isspace() or not c.isprintable() for c in value):
+        raise ValueError
+    return value
+
+
 def _bool(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -162,7 +170,8 @@ class Settings:
     model: str = setting("sensor", _text,
         "sensor, torchscript:PATH, aoti:PATH or python:module:attr",
         "The model this process serves (the default for /v1/infer).")
-    model_name: str = setting("", _text, "a name or empty",
+    model_name: str = setting("", _name, "a name of at most 128 characters, no '/' or "
+        "spaces, or empty",
         "Name the model is served under (default: derived from VEGA_MODEL).")
     device: str = setting("auto", _device, "cpu, cuda, cuda:N or auto",
         "Where the model runs; auto picks cuda when available.")
@@ -349,10 +358,7 @@ def mask_url(url: str) -> str:
     if at and ":" in userinfo:
         netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
         url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-    return _QUERY_PASSWORD.sub(r"\1***", url)
-
-
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
 
 
 def read_env_file(path: str | Path) -> dict[str, str]:

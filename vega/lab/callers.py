@@ -125,7 +125,8 @@ async def drive(options: dict[str, Any], callers: int, polite: bool) -> dict[str
               deadlines[PRIORITIES[p]]) for p, n in zip(pri.tolist(), lens.tolist())]
     duration_s = float(options["duration_s"])
     tally = Tally(0.0, 0.0)
-    clients = [AsyncClient(options["url"], uds=options["uds"], max_connections=1,
+    clients = [AsyncClient(options["url"], uds=options["uds"], token=options["token"],
+                           max_connections=1,
                            max_attempts=8 if polite else 1, observer=tally.observe)
                for _ in range(callers)]
     start = tally.start = time.monotonic()

@@ -26,14 +26,15 @@ class Target:
     port: int
     uds: str | None
     path: str
+    token: str | None = None  # sent as a bearer token, for a server with VEGA_AUTH_TOKENS
 
     @classmethod
-    def parse(cls, url: str, path: str, uds: str | None) -> Target:
+    def parse(cls, url: str, path: str, uds: str | None, token: str | None = None) -> Target:
         parts = urlsplit(url if "://" in url else "http://" + url)
         if parts.scheme != "http":
             raise TrafficError(f"url {url!r}: only http:// is supported")
         return cls(parts.hostname or "127.0.0.1", parts.port or 80, uds,
-                   parts.path if parts.path not in ("", "/") else path)
+                   parts.path if parts.path not in ("", "/") else path, token or None)
 
     async def connect(self, factory: Callable[[], asyncio.Protocol]) -> asyncio.Protocol:
         loop = asyncio.get_running_loop()
@@ -46,6 +47,8 @@ class Target:
     def request(self, method: str, path: str, body: bytes = b"", headers: str = "") -> bytes:
         """Request bytes; ``headers`` are more header lines, each ending in CRLF."""
         head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{headers}"
+        if self.token:
+            head += f"Authorization: Bearer {self.token}\r\n"
         if method == "POST":
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         return (head + "\r\n").encode() + body

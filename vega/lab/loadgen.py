@@ -145,7 +145,7 @@ def progress_line(engine: Engine, total_s: float, poller: JobPoller | None = Non
 async def bench(options: dict[str, Any]) -> dict[str, Any]:
     """Run one bench from resolved options; returns the report."""
     rng = np.random.default_rng(options["seed"])
-    target = Target.parse(options["url"], options["path"], options["uds"])
+    target = Target.parse(options["url"], options["path"], options["uds"], options["token"])
     deadlines = parse_deadlines(str(options["deadline_ms"]))
     closed = options["mode"] == "closed"
     if closed:
@@ -214,7 +214,7 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
             sys.stderr.write("\r" + progress_line(engine, total_s, poller) + "\n")
     elapsed = time.perf_counter() - engine.start
     after = await read_metrics(target) if options["metrics"] else None
-    meta = {k: v for k, v in options.items()} | {
+    meta = {k: v for k, v in options.items() if k != "token"} | {  # a secret stays out
         "started_at": started_at, "elapsed_s": round(elapsed, 3), "load_s": round(total_s, 3)}
     if closed:
         for k in ("profile", "process", "rate", "ramp_to", "steps", "burst_factor",
@@ -261,6 +261,9 @@ def run(args: argparse.Namespace) -> int:
               f"{client['max_backlog']}); latencies include that wait", file=sys.stderr)
     print("wrote " + ", ".join(str(f) for f in files))
     summary = report["summary"]
+    if summary["counts_by_status"].get("401"):
+        print("warning: answered 401: the server wants a bearer token (--token, or the "
+              "VEGA_BENCH_TOKEN environment variable)", file=sys.stderr)
     return EXIT_NO_ANSWER if summary["sent"] and not summary["answered"] else 0
 
 

@@ -184,7 +184,15 @@ class LatencyModel:
 
     @classmethod
     def from_file(cls, path: str | Path) -> LatencyModel:
-        return cls.from_profile(json.loads(Path(path).read_text()))
+        try:
+            doc = json.loads(Path(path).read_text())
+            model = cls.from_profile(doc)
+            if not model.lengths or not model.sizes:
+                raise ValueError("no buckets or no sizes")
+        except (KeyError, TypeError, AttributeError, IndexError, ValueError) as error:
+            raise ValueError(f"{path}: not a profile written by `vega profile` "
+                             f"({type(error).__name__}: {error})") from None
+        return model
 
     @property
     def max_length(self) -> int:

@@ -318,6 +318,10 @@ def run(args: argparse.Namespace) -> int:
             arrivals = traffic.plan(traffic_options, np.random.default_rng(seed))
             t_s, priority = arrivals.t_s.tolist(), arrivals.priority.tolist()
             length = arrivals.length.tolist()
+        sent = options.closed.length if options.closed is not None else length
+        if sent and not 1 <= min(sent) <= max(sent) <= latency.max_length:
+            raise ValueError(f"windows of {min(sent)}..{max(sent)} steps: the profile's "
+                             f"model takes 1..{latency.max_length} (a server answers 422)")
     except (ConfigError, ValueError, OSError, KeyError) as error:
         print(f"vega simulate: {error}", file=sys.stderr)
         return EXIT_CONFIG

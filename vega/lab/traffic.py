@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -368,6 +369,9 @@ OPTIONS = (
     Opt("metrics", True, parse_bool, "read /metrics before and after for batch histograms"),
     Opt("path", "/v1/infer", str, "request path"),
     Opt("uds", None, str, "connect through this unix socket instead of TCP"),
+    Opt("token", os.environ.get("VEGA_BENCH_TOKEN"), str, "bearer token for a server with "
+        "VEGA_AUTH_TOKENS (default: the VEGA_BENCH_TOKEN environment variable, which keeps "
+        "it out of the process list)"),
     Opt("seed", None, int, "random seed (arrivals, mix, lengths, input values)"),
     Opt("out", None, str, "output directory (default out/bench-YYYYmmdd-HHMMSS)"),
     Opt("plots", True, parse_bool, "write PNG plots"),
@@ -418,8 +422,15 @@ def resolve(flags: Mapping[str, Any]) -> dict[str, Any]:
         options["duration_s"] = sum(s for _, s in parse_steps(options["steps"]))
     for name in ("rate", "duration_s", "connections", "max_connections", "timeout_s",
                  "job_ttl_s"):
-        if not options[name] > 0:
+        if not (isinstance(options[name], (int, float)) and options[name] > 0):
             raise TrafficError(f"{name} must be > 0, not {options[name]}")
+    for name, least in (("requests", 1), ("seed", 0), ("poll_s", 0)):  # None: not given
+        value = options[name]
+        if value is not None and not (isinstance(value, (int, float)) and value >= least):
+            raise TrafficError(f"{name} must be >= {least}, not {value}")
+    if not str(options["path"]).startswith("/"):
+        raise TrafficError(f"path {options['path']!r} must start with /")
+    parse_deadlines(str(options["deadline_ms"]))  # refused here, not when the load starts
     if not 0.0 <= options["can_wait"] <= 1.0:
         raise TrafficError(f"can_wait must be between 0 and 1, not {options['can_wait']}")
     options["max_connections"] = max(options["max_connections"], options["connections"])
@@ -429,9 +440,16 @@ def resolve(flags: Mapping[str, Any]) -> dict[str, Any]:
 def parse_deadlines(text: str) -> dict[str, float]:
     """"500" or "critical=2000,normal=500,sheddable=100" → seconds by class."""
     if "=" not in text:
-        return dict.fromkeys(PRIORITIES, float(text) / 1000)
-    given = parse_weights(text, "deadline_ms")
+        try:
+            given = dict.fromkeys(PRIORITIES, float(text))
+        except ValueError:
+            raise TrafficError(f"deadline_ms {text!r}: give a number or all of "
+                               f"{PRIORITIES}") from None
+    else:
+        given = parse_weights(text, "deadline_ms")
     unknown = set(given) - set(PRIORITIES)
     if unknown or len(given) != len(PRIORITIES):
         raise TrafficError(f"deadline_ms {text!r}: give a number or all of {PRIORITIES}")
+    if not all(0 < ms < math.inf for ms in given.values()):
+        raise TrafficError(f"deadline_ms {text!r}: each deadline must be a number > 0")
     return {p: given[p] / 1000 for p in PRIORITIES}
