@@ -39,7 +39,9 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("compiled") / "small.pt2"
     done = export("--model", SMALL, "--out", str(out), "--device", KIND)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"VEGA_MODEL=aoti:{out}" in done.stderr
+    # Served under the file's name, which is not the model's: the line says so.
+    assert f"VEGA_MODEL=aoti:{out}, named small (VEGA_MODEL_NAME=encoder_small keeps " \
+        "its name)" in done.stderr
     return out
 
 
@@ -129,6 +131,8 @@ def test_export_refuses_what_it_cannot_compile(tmp_path: Path) -> None:
     assert wrong_name.returncode == 2 and "must end in .pt2" in wrong_name.stderr
     unknown = export("--model", "python:tests.models:nothing", "--out", str(tmp_path / "x.pt2"))
     assert unknown.returncode == 2 and "nothing" in unknown.stderr
+    nowhere = export("--model", SMALL, "--out", str(tmp_path / "no" / "small.pt2"))
+    assert nowhere.returncode == 2 and "no does not exist" in nowhere.stderr
     assert list(tmp_path.iterdir()) == []
 
 

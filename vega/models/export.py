@@ -21,7 +21,7 @@ from typing import Any
 
 from vega.models.base import SequenceModel
 from vega.models.compiled import FORMAT, PREFIX
-from vega.models.loader import ModelLoadError, load_model
+from vega.models.loader import ModelLoadError, default_name, load_model
 from vega.outpath import unwritable
 
 EXIT_FAILED = 2
@@ -59,11 +59,12 @@ def run(args: argparse.Namespace) -> int:
     except (ModelLoadError, ExportError) as error:
         print(f"vega export: {error}", file=sys.stderr)
         return EXIT_FAILED
+    served = default_name(f"aoti:{args.out}")
+    rename = "" if served == adapter.name else f" (VEGA_MODEL_NAME={adapter.name} keeps its name)"
     print(f"wrote {args.out}: model {adapter.name}, lengths 1..{adapter.max_length} "
           f"padded to a multiple of {multiple} (at least {LEAST * multiple}), "
-          f"for {args.device}, in "
-          f"{time.monotonic() - started:.0f} s; serve it as VEGA_MODEL=aoti:{args.out}",
-          file=sys.stderr)
+          f"for {args.device}, in {time.monotonic() - started:.0f} s; serve it as "
+          f"VEGA_MODEL=aoti:{args.out}, named {served}{rename}", file=sys.stderr)
     return 0
 
 
