@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -88,6 +89,32 @@ def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Pat
                                 f"s.connect({str(path)!r})"], capture_output=True, check=False)
         assert probe.returncode != 0
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.timeout(180)
+def test_stopping_the_cluster_answers_what_it_admitted(tmp_path: Path) -> None:
+    # Nginx stops after the Vega processes have drained, and gracefully: given SIGTERM
+    # with them, it closed the connections of the requests they were still answering.
+    proc, run_dir, port, _ = cluster_in(tmp_path, 1, TEST_SLEEP_MS="1000",
+                                        VEGA_LENGTH_BUCKETS="16")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = [pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/infer",
+                                   json={"inputs": window(4), "deadline_ms": 20_000},
+                                   timeout=60) for _ in range(2)]
+            wait_until(lambda: _inflight(port) >= 1, 30, "a batch running")
+            proc.send_signal(signal.SIGTERM)
+            assert [answer.result().status_code for answer in running] == [200] * 2
+        assert proc.wait(60) == 0
+    finally:
+        stop(proc)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _inflight(port: int) -> float:
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("vega_inflight_batches"))
 
 
 def group_members(pgid: int) -> list[int]:
@@ -186,6 +213,10 @@ async def test_a_killed_process_is_restarted_and_no_caller_sees_a_502(
         await asyncio.to_thread(wait_until, lambda: all(_ready(s) for s in sockets), 30,
                                 "both ready")
         assert victim not in vega_children(proc.pid) and len(vega_children(proc.pid)) == 2
+        # The process's log holds what the killed life wrote, then the restart's.
+        logs = "".join(path.read_text() for path in run_dir.glob("vega-*.log"))
+        assert f"Started server process [{victim}]" in logs
+        assert logs.count("Started server process") == 3
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 60) == 0  # still drains and stops
     finally:

@@ -218,7 +218,8 @@ def counted(runtime: Runtime, model: str, priority: int, outcome: str,
     """``conclude`` without the wait: count the answer, return how long to hold it
     (0 for all but a refusal past VEGA_REFUSAL_RATE). The hot path awaits only then."""
     metrics = runtime.metrics
-    model = model if model in runtime.models else "_unknown"
+    if model not in runtime.models and model not in runtime.executor.models:  # warming up
+        model = "_unknown"  # a name no model has: one label for all, not one per name
     now = asyncio.get_running_loop().time()
     metrics.answered(model, PRIORITY_NAMES[priority], outcome, outcome in REFUSALS,
                      now - started if outcome == "ok" else None)

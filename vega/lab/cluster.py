@@ -209,7 +209,7 @@ class _Hurry:
 
 def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None
            ) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
+    with open(log, "ab") as out:  # a restart's output after that of the life that died
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # Ctrl-C is ours to pass on
     _LOGS[proc.pid] = log
@@ -283,16 +283,22 @@ def _wait_for(check: object, what: str, timeout_s: float = 30) -> None:
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM Nginx and Vega (which drains), then Redis; kill what does not exit.
+    """SIGTERM the Vega processes (they drain: what they admitted is answered, the rest
+    503 through Nginx), then SIGQUIT Nginx (its graceful stop: the answers on their way
+    out are sent; SIGTERM would close every client connection at once), then SIGTERM
+    Redis; kill what does not exit.
 
     A Ctrl-C or SIGTERM meanwhile hurries the stop (what is left gets HURRIED_S, then
     SIGKILL) instead of cutting it short, which would leave the children running."""
     _Hurry.install()
     redis = [p for p in procs if isinstance(p.args, list) and p.args[0] == "redis-server"]
-    for group in ([p for p in procs if p not in redis], redis):
+    nginx = [p for p in procs if isinstance(p.args, list) and p.args[0] == "nginx"]
+    vegas = [p for p in procs if p not in redis and p not in nginx]
+    for group, stop in ((vegas, signal.SIGTERM), (nginx, signal.SIGQUIT),
+                        (redis, signal.SIGTERM)):
         for proc in group:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(stop)
         end = time.monotonic() + DRAIN_S
         for proc in group:
             while proc.poll() is None and time.monotonic() < _Hurry.until(end):
