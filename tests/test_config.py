@@ -50,6 +50,8 @@ def test_precedence_defaults_env_file_environment_flags(tmp_path: Path) -> None:
     ({"VEGA_MODEL_CPUS": "4096"}, "VEGA_MODEL_CPUS='4096'"),
     ({"VEGA_MODEL_CPUS": "one"}, "VEGA_MODEL_CPUS='one'"),
     ({"VEGA_MODEL_NAME": "a/b"}, "VEGA_MODEL_NAME='a/b'"),  # not one segment of its route
+    ({"VEGA_REDIS_URL": "redis://h:99999/0"}, "VEGA_REDIS_URL='redis://h:99999/0'"),
+    ({"VEGA_REDIS_URL": "unix:///run/redis.sock?db=one"}, "VEGA_REDIS_URL"),
     ({"VEGA_MODEL_NAME": "my model"}, "VEGA_MODEL_NAME='my model'"),
 ])
 def test_bad_values_name_the_setting_and_what_is_allowed(env: dict[str, str], named: str) -> None:

@@ -168,7 +168,7 @@ class Settings:
     uds: str = setting("", _text, "a path or empty",
         "Listen on this unix socket instead of host:port.")
     model: str = setting("sensor", _text,
-        "sensor, torchscript:PATH, aoti:PATH or python:module:attr",
+        "sensor, sensor-small, torchscript:PATH, aoti:PATH or python:module:attr",
         "The model this process serves (the default for /v1/infer).")
     model_name: str = setting("", _name, "a name of at most 128 characters, no '/' or "
         "spaces, or empty",

@@ -45,6 +45,9 @@ def parse_redis_url(url: str) -> RedisTarget:
     if mode is None:
         raise ValueError(f"unknown scheme {parts.scheme!r}")
     if mode == STANDALONE:
+        from redis.connection import parse_url  # redis-py reads it: its own check, at start
+
+        parse_url(url.strip())  # type: ignore[no-untyped-call]  # ValueError: bad port or db
         return RedisTarget(STANDALONE, url.strip())
     if parts.query or parts.fragment:
         raise ValueError("no ?options or #fragment in cluster or sentinel URLs")
