@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 import redis
 
 from tests.infra import RedisServer
@@ -63,6 +64,15 @@ def test_nondeterministic_models_are_cached_only_when_the_operator_says_so() -> 
                                   "VEGA_CACHE_NONDETERMINISTIC": "1"})
     assert models_to_cache(some, adapters) == ["random"]
     assert models_to_cache(load_settings(environ={}), adapters) == []
+
+
+def test_a_cache_turned_on_that_covers_no_model_is_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    adapters: dict[str, Any] = {"det": _Fake(True)}
+    typo = load_settings(environ={"VEGA_CACHE_BYTES": "1000", "VEGA_CACHE_MODELS": "dte"})
+    with caplog.at_level("WARNING", logger="vega.pressure.cache"):
+        assert models_to_cache(typo, adapters) == []
+    assert "VEGA_CACHE_MODELS=dte names none of det" in caplog.text
 
 
 def test_a_hit_skips_the_model_and_returns_the_same_bytes(

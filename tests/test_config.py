@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vega.cli import main, uds_unusable
+from vega.cli import main, uds_unusable, warn_oversubscribed
 from vega.config import (
     SPECS,
     ConfigError,
@@ -135,6 +136,15 @@ def test_serve_refuses_a_unix_socket_another_server_listens_on(tmp_path: Path) -
     assert uds_unusable(str(tmp_path / "file")) == "it exists and is not a socket"
     missing = tmp_path / "no"
     assert uds_unusable(str(missing / "vega.sock")) == f"{missing} is not a directory"
+
+
+def test_more_torch_threads_than_cpus_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    many = os.cpu_count() or 1
+    with caplog.at_level("WARNING", logger="vega"):
+        warn_oversubscribed(load_settings(environ={"VEGA_TORCH_THREADS": str(many)}))
+        assert caplog.text == ""
+        warn_oversubscribed(load_settings(environ={"VEGA_TORCH_THREADS": str(many + 1)}))
+    assert f"VEGA_TORCH_THREADS={many + 1} is more than the {many} CPUs here" in caplog.text
 
 
 def test_each_setting_is_declared_once_as_a_field() -> None:

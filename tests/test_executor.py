@@ -148,6 +148,14 @@ def test_at_the_defaults_a_model_process_runs_torch_on_one_thread() -> None:
         executor.shutdown()
 
 
+def test_model_cpus_for_models_run_in_threads_are_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    settings = load_settings(environ={"VEGA_EXECUTOR": "thread", "VEGA_MODEL_CPUS": "0"})
+    with caplog.at_level("WARNING", logger="vega.executor"):
+        assert process_plan(settings, [echo("echo")], ((ECHO, "echo"),)) is None
+    assert "VEGA_MODEL_CPUS pins model processes" in caplog.text
+
+
 def test_a_model_process_refuses_an_output_it_cannot_cut_back() -> None:
     executor = Executor({"patches": per_patch("patches")}, torch_threads=1,
                         plan=plan("python:tests.models:per_patch", "patches"))

@@ -99,6 +99,7 @@ def serve(settings: Settings) -> int:
     sys.setswitchinterval(0.0001)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warn_oversubscribed(settings)
     why = uds_unusable(settings.uds) if settings.uds else None
     if why is not None:
         print(f"vega: VEGA_UDS={settings.uds}: {why}", file=sys.stderr)
@@ -117,6 +118,16 @@ def serve(settings: Settings) -> int:
     server.run()
     failed = not server.started or runtime.failed is not None
     return EXIT_STARTUP if failed else 0
+
+
+def warn_oversubscribed(settings: Settings) -> None:
+    """A torch thread count past the machine's CPUs is accepted (a container may be given
+    more later) but costs much: at 256 threads on 2 CPUs a batch took 29x as long."""
+    cpus = os.cpu_count() or 1
+    if settings.torch_threads > cpus:
+        log.warning("VEGA_TORCH_THREADS=%d is more than the %d CPUs here: each batch's "
+                    "threads wait for each other (1 a process is the default)",
+                    settings.torch_threads, cpus)
 
 
 def uds_unusable(path: str) -> str | None:

@@ -56,7 +56,7 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
     """How model processes are started, or None to run the models in threads.
 
     ``auto`` picks a process for an eager torch module or a compiled package, whose
-    forward pass would otherwise contend with the loop for the GIL (DESIGN.md rule 12),
+    forward pass would otherwise contend with the loop for the GIL (docs/executor.md),
     and a thread for TorchScript and other adapters. A process rebuilds the models from
     their specs and takes their samples through shared memory, so both must be there.
     """
@@ -65,6 +65,9 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
         log.warning("VEGA_EXECUTOR=thread: a compiled package holds the GIL for each whole "
                     "forward pass, stalling the event loop meanwhile; auto runs it in a process")
     if s.executor == "thread" or (s.executor == "auto" and (not gil or specs is None)):
+        if s.model_cpus:
+            log.warning("VEGA_MODEL_CPUS pins model processes, and these models run in "
+                        "threads (VEGA_EXECUTOR=%s): it pins nothing", s.executor)
         return None
     if specs is None:
         raise ModelLoadError("VEGA_EXECUTOR=process needs models given by VEGA_MODEL specs")

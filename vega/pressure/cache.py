@@ -155,6 +155,12 @@ def models_to_cache(settings: Settings, adapters: Mapping[str, ModelAdapter]) ->
     if settings.cache_bytes <= 0:
         return []
     wanted = settings.cache_models
-    return [name for name, adapter in adapters.items()
-            if ("*" in wanted or name in wanted)
-            and (getattr(adapter, "deterministic", False) or settings.cache_nondeterministic)]
+    cached = [name for name, adapter in adapters.items()
+              if ("*" in wanted or name in wanted)
+              and (getattr(adapter, "deterministic", False) or settings.cache_nondeterministic)]
+    if not cached:  # the operator turned the cache on: say why it caches nothing
+        log.warning("VEGA_CACHE_BYTES is set but no model's answers are cached: "
+                    "VEGA_CACHE_MODELS=%s names none of %s (or only nondeterministic ones, "
+                    "which VEGA_CACHE_NONDETERMINISTIC allows)", ",".join(wanted),
+                    ", ".join(adapters))
+    return cached
