@@ -221,7 +221,8 @@ class Server:
             "ok_rate": round(statistics.fmean(p["ok_rate"] for p in parts), 1),
             "p50_ms": statistics.median(p["p50_ms"] for p in parts),
             "p99_ms": max(p["p99_ms"] for p in parts),
-            "p99_after_1s_ms": max(p["p99_after_1s_ms"] for p in parts),
+            "p99_after_1s_ms": max((p["p99_after_1s_ms"] for p in parts
+                                    if p["p99_after_1s_ms"] is not None), default=None),
             "by_status": dict(sum((Counter(p["by_status"]) for p in parts), Counter())),
             "mean_batch": _batch_mean(report for report, _, _ in self.slices)}
         if len(parts) > 1:
@@ -469,6 +470,10 @@ def main() -> int:
     parser.add_argument("--phases", default="", help="comma-separated phase names (default all)")
     options = parser.parse_args()
     chosen = set(filter(None, options.phases.split(",")))
+    unknown = chosen - set(SPECS)
+    if unknown:
+        parser.error(f"--phases: no phase {', '.join(sorted(unknown))}; "
+                     f"the phases: {', '.join(SPECS)}")
     out = Path(tempfile.mkdtemp(prefix="vega-bench-eager-"))
     print(f"device: {device()}")
     results: dict[str, Any] = {"seconds": options.seconds, "device": device(), "rounds": []}
