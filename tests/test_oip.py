@@ -270,6 +270,12 @@ def test_rows_of_several_inputs_from_json_and_binary() -> None:
     ({"inputs": [{"name": "other", "shape": [1], "datatype": "INT64", "data": [1]}]},
      "not an input of model 'pair'"),
     ({"inputs": [], "extra": 1}, "unknown field(s): extra"),
+    ({"inputs": [{"name": "ids", "shape": [1, 1], "datatype": "INT64", "data": [1],
+                  "parameters": {"binary_data_size": 0}}]},
+     "give 'data' or parameters.binary_data_size, not both"),
+    ({"inputs": [{"name": "ids", "shape": [1, 1], "datatype": "INT64", "data": [1]},
+                 {"name": "tag", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]}],
+      "outputs": [{"name": "score"}, {"name": "score"}]}, "output 'score': asked for twice"),
 ])
 def test_bad_requests_name_what_is_wrong(doc: dict[str, Any], message: str) -> None:
     with pytest.raises(VegaError) as caught:

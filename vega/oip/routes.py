@@ -312,6 +312,8 @@ def _read_inputs(inputs: Any, binary: memoryview, adapter: ModelAdapter,
         shape = _check_shape(tensor.get("shape"), spec, what, settings)
         size = _parameters(tensor.get("parameters"), f"{what} parameters").get(
             "binary_data_size")
+        if size is not None and "data" in tensor:  # which one the caller meant is unknown
+            raise invalid_input(f"{what}: give 'data' or parameters.binary_data_size, not both")
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 \
                     or offset + size > len(binary):
@@ -365,13 +367,15 @@ def _requested_outputs(requested: Any, params: Mapping[str, Any],
     if not isinstance(requested, list):
         raise invalid_input("'outputs' must be a list")
     specs = {spec.name: spec for spec in adapter.outputs}
-    chosen = []
+    chosen: list[tuple[TensorSpec, bool]] = []
     for tensor in requested:
         name = tensor.get("name") if isinstance(tensor, dict) else None
         spec = specs.get(name) if isinstance(name, str) else None
         if spec is None:
             raise invalid_input(f"output {name!r}: not an output of model {adapter.name!r}; "
                                 f"it gives {', '.join(specs)}")
+        if any(spec is other for other, _ in chosen):
+            raise invalid_input(f"output {name!r}: asked for twice")
         params = _parameters(tensor.get("parameters"), f"output {name} parameters")
         for key in UNSUPPORTED_PARAMETERS:
             if params.get(key):
