@@ -412,7 +412,7 @@ def test_requests_while_the_model_process_restarts_get_503_not_ready(
 def test_a_refusal_during_the_first_warm_up_is_counted_under_its_model(
         vega: Callable[..., VegaProcess]) -> None:
     proc = vega(wait_ready=False, VEGA_MODEL=ECHO, VEGA_LENGTH_BUCKETS="16",
-                TEST_SLEEP_MS="300")  # each warm-up pass 0.3 s: seconds of warming up
+                TEST_SLEEP_MS="500")  # each warm-up pass 0.5 s: seconds of warming up
 
     def warming() -> bool:
         try:
