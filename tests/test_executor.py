@@ -409,24 +409,6 @@ def test_requests_while_the_model_process_restarts_get_503_not_ready(
     assert infer(proc.url).status_code == 200
 
 
-def test_a_refusal_during_the_first_warm_up_is_counted_under_its_model(
-        vega: Callable[..., VegaProcess]) -> None:
-    proc = vega(wait_ready=False, VEGA_MODEL=ECHO, VEGA_LENGTH_BUCKETS="16",
-                TEST_SLEEP_MS="500")  # each warm-up pass 0.5 s: seconds of warming up
-
-    def warming() -> bool:
-        try:
-            return httpx.get(proc.url + "/readyz", timeout=5).status_code == 503
-        except httpx.HTTPError:
-            return False
-    wait_until(warming, 60, "the server to listen while it warms up")
-    answer = infer(proc.url)
-    assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready"
-    proc.wait_ready()
-    assert metric(proc, "vega_requests_total", model="echo", priority="normal",
-                  outcome="not_ready") == 1
-
-
 def test_a_stopped_server_lets_its_model_process_exit_not_killed(
         echo_process: Callable[..., VegaProcess], tmp_path: Path) -> None:
     # The loop reads the child's pipe through a dup of it: left open, the child never saw

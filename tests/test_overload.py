@@ -129,6 +129,8 @@ def test_not_ready_while_warming_up(vega: Callable[..., VegaProcess]) -> None:
     assert int(refused.headers["retry-after"]) >= 1
     server.wait_ready()
     assert httpx.post(server.url + "/v1/infer", content=BODY).status_code == 200
+    # Counted under the model it asked for (loaded, not yet warm), not under `_unknown`.
+    assert metric(server, "vega_requests_total", model="echo", outcome="not_ready") == 1
 
 
 async def test_drain_on_sigterm_answers_everything_admitted(

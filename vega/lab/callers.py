@@ -166,7 +166,6 @@ def run(args: argparse.Namespace) -> int:
         options = traffic.resolve(vars(args))
         if args.callers < 1:
             raise TrafficError(f"callers must be >= 1, not {args.callers}")
-        parse_deadlines(str(options["deadline_ms"]))
     except (TrafficError, ValueError) as exc:
         print(f"vega bench: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -61,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as error:
         print(f"vega profile: {error}", file=sys.stderr)
         return EXIT_CONFIG
-    problem = (f"--repeats={args.repeats}: expected >= 1" if args.repeats < 1 else
-               f"--torch-threads={args.torch_threads}: expected >= 0"
-               if args.torch_threads is not None and args.torch_threads < 0 else
-               unwritable(Path(args.out)))
+    problem = unwritable(Path(args.out))
+    if args.torch_threads is not None and args.torch_threads < 0:
+        problem = f"--torch-threads={args.torch_threads}: expected >= 0"
+    if args.repeats < 1:
+        problem = f"--repeats={args.repeats}: expected >= 1"
     if problem is not None:
         print(f"vega profile: {problem}", file=sys.stderr)
         return EXIT_CONFIG

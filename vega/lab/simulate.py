@@ -299,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--processes={args.processes}: expected >= 1")
         if not args.snapshot_ms > 0:  # the sampler would never move past its first instant
             raise ValueError(f"--snapshot-ms={args.snapshot_ms:g}: expected > 0")
-        problem = unwritable(Path(traffic_options["out"] or "out/simulate"), directory=True)
+        out = Path(traffic_options["out"] or "out/simulate")
+        problem = unwritable(out, directory=True)
         if problem is not None:
             raise ValueError(f"--out: {problem}")
         seed = traffic_options["seed"] if traffic_options["seed"] is not None else 0
@@ -329,7 +330,6 @@ def run(args: argparse.Namespace) -> int:
     meta = {k: traffic_options[k] for k in TRAFFIC_OPTIONS
             if k not in ("out", "plots", "spec", "mode")}
     report = build(result, options, meta=meta | {"loop": traffic_options["mode"]})
-    out = Path(traffic_options["out"] or "out/simulate")
     write_json(report, out / "report.json")
     if traffic_options["plots"]:
         write_plots(report, out)

@@ -281,17 +281,11 @@ class ModelProcess:
         """This life of the child is over for the loop: fail what it held, stop reading."""
         if life.reader is None:
             return  # already lost
-        assert life.loop is not None
-        if life.timer is not None:
-            life.timer.cancel()
-        life.loop.remove_reader(life.reader.fileno())
-        life.reader.close()
-        life.reader = None  # a timer and the pipe's EOF may both report the one loss
         if life is self._life:
             self._up.clear()
         if life.process.poll() is None:
             life.process.kill()  # its watcher sees it go and restarts it
-        held, life.in_child = list(life.in_child), deque()
+        held = self._let_go(life)
         if held:  # one that died idle is logged by its watcher
             log.error("model process %d (pid %s) %s", self.index, life.process.pid, why)
         for sent in held:
@@ -302,16 +296,21 @@ class ModelProcess:
         dup of it would keep the pipe open after ``close`` closes ``conn``, so the child
         would never see its end and be killed after the grace period instead of exiting."""
         life = self._life
-        if life is None or life.reader is None or life.loop is None:
+        if life is None or life.reader is None:
             return
+        for sent in self._let_go(life):  # none, after a drain
+            sent.answered(None, 0.0, time.monotonic(), ModelProcessError("server stopping"))
+
+    def _let_go(self, life: _Life) -> list[_Sent]:
+        """Stop reading ``life``'s pipe on the loop; the batches it held, taken from it."""
+        assert life.loop is not None and life.reader is not None
         if life.timer is not None:
             life.timer.cancel()
         life.loop.remove_reader(life.reader.fileno())
         life.reader.close()
-        life.reader = None
+        life.reader = None  # a timer and the pipe's EOF may both report the one loss
         held, life.in_child = list(life.in_child), deque()
-        for sent in held:  # none, after a drain
-            sent.answered(None, 0.0, time.monotonic(), ModelProcessError("server stopping"))
+        return held
 
     def close(self) -> None:
         """Stop the child (it exits when its pipe closes) and free the slot."""
