@@ -257,3 +257,23 @@ def torch_threads(name: str) -> Any:
             return torch.full((x.shape[0], 1), float(torch.get_num_threads()))
 
     return Threads()
+
+
+def redeployed(name: str) -> Any:
+    """The mean of each channel's valid steps, scaled by weights drawn from TEST_SEED (a
+    redeploy with new weights) and named TEST_VERSION (``vega_version``) if set."""
+    import torch
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            seed = torch.Generator().manual_seed(int(os.environ.get("TEST_SEED", "0")))
+            self.scale = torch.nn.Parameter(torch.rand(8, generator=seed))
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.sum(dim=1) / lengths[:, None].to(x.dtype) * self.scale
+
+    module = Scaled()
+    if "TEST_VERSION" in os.environ:
+        module.vega_version = os.environ["TEST_VERSION"]  # type: ignore[assignment]
+    return module

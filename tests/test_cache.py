@@ -131,3 +131,24 @@ def test_the_redis_tier_shares_hits_between_processes(
     assert second.headers["x-vega-cache"] == "hit" and second.content == first.content
     assert [forwarded(log) for log in logs] == [base[0] + 1, base[1]]
     assert 'tier="redis"} 1.0' in httpx.get(b.url + "/metrics").text
+
+
+def test_new_weights_under_the_same_version_share_no_answers(
+        vega: Callable[..., VegaProcess], redis_server: RedisServer) -> None:
+    shared = {"VEGA_MODEL": "python:tests.models:redeployed", "VEGA_LENGTH_BUCKETS": "16",
+              "VEGA_CACHE_BYTES": "1000000", "VEGA_REDIS_URL": redis_server.url,
+              "VEGA_CACHE_REDIS_TTL_S": "60"}
+    old, new = vega(**shared, TEST_SEED="1"), vega(**shared, TEST_SEED="2")
+    body = orjson.dumps({"inputs": window(4, 0.75)})
+    first = httpx.post(old.url + "/v1/infer", content=body)
+    assert first.headers["x-vega-cache"] == "miss"
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        wait_until(lambda: client.keys("vega:{redeployed}:cache:*"), 5, "the entry in Redis")
+    finally:
+        client.close()
+    redeployed = httpx.post(new.url + "/v1/infer", content=body)
+    assert redeployed.headers["x-vega-cache"] == "miss"  # its own weights' answer
+    assert redeployed.json()["outputs"] != first.json()["outputs"]
+    again = httpx.post(old.url + "/v1/infer", content=body)
+    assert again.headers["x-vega-cache"] == "hit" and again.content == first.content

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.inproc import BASE
+from tests.inproc import BASE, in_process
 from tests.models import window
 from tests.servers import VegaProcess, wait_until
 from vega.config import load_settings
@@ -82,6 +82,25 @@ async def test_requests_the_main_model_would_refuse_go_to_the_fallback(
     assert sum(r.status_code == 200 and r.json()["model"] == "echo_fast"
                for r in with_fallback) >= 2
     assert all(r.status_code == 429 or r.json()["model"] == "echo" for r in normal)
+
+
+async def test_a_degraded_answer_is_marked_and_not_cached_on_either_protocol() -> None:
+    env = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_LENGTH_BUCKETS": "16",
+           "VEGA_FALLBACK_MODEL": "python:tests.models:echo_fast",
+           "VEGA_DEGRADE_WATERMARK": "0",  # every degradable request goes to the fallback
+           "VEGA_CACHE_BYTES": "1000000"}
+    v2 = orjson.dumps({"inputs": [{"name": "INPUT__0", "shape": [1, 8, 8], "datatype": "FP32",
+                                   "data": sum(window(8), [])}]})
+    async with in_process(env) as (client, _runtime):
+        for path, content in (("/v1/infer", body("normal")),
+                              ("/v2/models/echo/infer", v2)):
+            answers = [await client.post(path, content=content) for _ in range(2)]
+            assert [r.status_code for r in answers] == [200, 200], answers[0].text
+            assert [r.headers.get("x-vega-degraded") for r in answers] == ["1", "1"], path
+            # The main model would answer it otherwise: a later call must not get this one.
+            assert [r.headers["x-vega-cache"] for r in answers] == ["miss", "miss"], path
+        kept = [await client.post("/v1/infer", content=body("critical")) for _ in range(2)]
+    assert [r.headers["x-vega-cache"] for r in kept] == ["miss", "hit"]  # critical: the main's
 
 
 async def test_a_fallback_that_answers_in_another_shape_is_refused_at_start() -> None:

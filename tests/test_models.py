@@ -13,6 +13,7 @@ from tests.models import per_patch, per_step, three_channels
 from vega.errors import VegaError
 from vega.models import SequenceModel, load_model
 from vega.models.loader import ModelLoadError
+from vega.pressure.cache import identity
 
 
 @pytest.fixture(scope="module")
@@ -369,3 +370,19 @@ def test_torchscript_compiles_at_load_not_in_the_first_timed_pass() -> None:
     model.load("cpu")
     assert isinstance(model.module, torch.jit.ScriptModule)
     assert len(model.module.get_debug_state().execution_plans) >= 1
+
+
+def test_a_module_names_its_version_and_new_weights_change_its_identity(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_SEED", "1")
+    first = load_model("python:tests.models:redeployed")
+    assert first.version == "1" and identity(first) == identity(
+        load_model("python:tests.models:redeployed"))  # the same weights, the same answers
+    monkeypatch.setenv("TEST_SEED", "2")
+    assert identity(load_model("python:tests.models:redeployed")) != identity(first)
+    monkeypatch.setenv("TEST_VERSION", "2024-06.b")
+    named = load_model("python:tests.models:redeployed")
+    assert named.version == "2024-06.b" and identity(named).startswith("2024-06.b:")
+    monkeypatch.setenv("TEST_VERSION", "v1/2")  # a version is one segment of a /v2 path
+    with pytest.raises(ModelLoadError, match="vega_version 'v1/2' is not 1-64 letters"):
+        load_model("python:tests.models:redeployed")

@@ -44,7 +44,7 @@ from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from vega.models import ModelAdapter
 from vega.oip.routes import OipApi
 from vega.oip.routes import error_response as oip_error_response
-from vega.pressure.cache import ResponseCache, models_to_cache
+from vega.pressure.cache import ResponseCache, identity, models_to_cache
 from vega.pressure.idempotency import Idempotency, fingerprint
 from vega.runtime import Answer, Runtime
 from vega.stack import Guard, cached, core, idempotent
@@ -170,14 +170,15 @@ class Relief:
         s = runtime.settings
         shared = s.redis_url and (s.idempotency_ttl_s > 0 or s.cache_redis_ttl_s > 0)
         self.side = SideRedis(s.redis_url, s.redis_timeout_ms / 1000) if shared else None
-        models = models_to_cache(s, runtime.executor.models)
+        adapters = runtime.executor.models
+        models = {name: identity(adapters[name]) for name in models_to_cache(s, adapters)}
         self.cache = ResponseCache(s.cache_bytes, models, runtime.metrics, self.side,
                                    s.cache_redis_ttl_s) if models else None
         self.idempotency = Idempotency(s.idempotency_ttl_s, s.idempotency_max_keys,
                                        runtime.metrics, self.side)
 
     def around(self, runtime: Runtime) -> Handler:
-        return idempotent(self.idempotency, cached(self.cache, runtime, core(runtime)))
+        return idempotent(self.idempotency, cached(self.cache, core(runtime)))
 
     def refuse_early(self, request: Request, model: str) -> bool:
         """Whether load may refuse a request before its body is parsed: not where an

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from vega.calls import Call, Dialect, Handler, Reply
 from vega.errors import REFUSALS, VegaError
 from vega.httpio import Sent, hung_up, read_body
-from vega.pressure.cache import ResponseCache, cache_key
+from vega.pressure.cache import ResponseCache
 from vega.pressure.idempotency import Idempotency
 from vega.pressure.looplag import LoopLate
 from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
@@ -46,7 +46,7 @@ def core(runtime: Runtime) -> Handler:
     return run
 
 
-def cached(cache: ResponseCache | None, runtime: Runtime, inner: Handler) -> Handler:
+def cached(cache: ResponseCache | None, inner: Handler) -> Handler:
     """Answers already given, for the models that opted in (docs/pressure.md)."""
     if cache is None:
         return inner
@@ -58,8 +58,7 @@ def cached(cache: ResponseCache | None, runtime: Runtime, inner: Handler) -> Han
                    call.request.headers.get("cache-control", "").lower().split(",")}
         if "no-store" in control:
             return await inner(call)
-        version = runtime.models[call.model].adapter.version
-        key = cache_key(call.model, version, call.variant, call.instances)  # before they go
+        key = cache.key(call.model, call.variant, call.instances)  # before they go
         if "no-cache" not in control:
             stored = await cache.get(call.model, key)
             if stored is not None:

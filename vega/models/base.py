@@ -8,6 +8,7 @@ thread for a whole batch: collate and pad, forward, split.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import struct
@@ -201,6 +202,22 @@ class SequenceModel:
         if not 1 <= length <= self.max_length:
             raise invalid_input(f"window length {length} outside 1..{self.max_length}")
         return finite_float32(array), length
+
+    def weights_digest(self) -> str:
+        """A digest of the module's parameters and buffers: new weights under the same
+        version are new answers (the response cache keys on it); "" for a callable that
+        is not a torch module."""
+        import torch
+
+        state = getattr(self.module, "state_dict", None)
+        if state is None:
+            return ""
+        digest = hashlib.blake2b(digest_size=16)
+        for name, tensor in state().items():
+            data = tensor.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{name}:{data.dtype}:{tuple(tensor.shape)};".encode())
+            digest.update(data.view(torch.uint8).numpy().data)
+        return digest.hexdigest()
 
     def example(self, length: int) -> Any:
         rng = np.random.default_rng(length)

@@ -13,6 +13,7 @@ never runs beside the event loop: ``auto`` gives it a model process (docs/execut
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zipfile
 from pathlib import Path
@@ -75,6 +76,14 @@ class CompiledModel(SequenceModel):
         self.length_multiple = multiple
         self.least_length = least
         self.compiled_for = metadata.get(DEVICE_KEY, "cpu")
+
+    def weights_digest(self) -> str:
+        """A digest of the package file (its weights and compiled code)."""
+        digest = hashlib.blake2b(digest_size=16)
+        with open(self.path, "rb") as package:
+            while chunk := package.read(1 << 20):
+                digest.update(chunk)
+        return digest.hexdigest()
 
     def load(self, device: str) -> None:
         import torch

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ class ModelLoadError(Exception):
 
 
 BUILTIN = {"sensor", "sensor-small"}
+VERSION = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def default_name(spec: str) -> str:
@@ -140,15 +142,21 @@ def _user_code_failed(target: str, doing: str, error: Exception) -> ModelLoadErr
 
 
 def _wrap_module(module: Any, name: str) -> ModelAdapter:
-    """A bare torch module: its ``vega_channels``/``vega_max_length`` attributes, else 8/512;
-    one that takes no ``lengths`` or holds other than float32 weights, fitted to them."""
+    """A bare torch module: its ``vega_channels``/``vega_max_length``/``vega_version``
+    attributes, else 8/512/"1"; one that takes no ``lengths`` or holds other than float32
+    weights, fitted to them."""
     if not callable(module):
         raise ModelLoadError(f"model {name!r} is neither an adapter nor a torch module")
     from vega.models.fitted import fitted
 
     channels = int(getattr(module, "vega_channels", 8))
     max_length = int(getattr(module, "vega_max_length", 512))
-    return SequenceModel(fitted(module), name, channels=channels, max_length=max_length)
+    version = str(getattr(module, "vega_version", "1"))
+    if not VERSION.fullmatch(version):  # one segment of /v2/models/{name}/versions/{version}
+        raise ModelLoadError(f"model {name!r}: vega_version {version!r} is not 1-64 letters, "
+                             "digits, '.', '_' or '-'")
+    return SequenceModel(fitted(module), name, channels=channels, max_length=max_length,
+                         version=version)
 
 
 def check_fallback(spec: str, main: ModelAdapter, fallback: ModelAdapter,

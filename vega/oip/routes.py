@@ -411,6 +411,8 @@ def infer_reply(answer: Answer, request: InferRequest, adapter: ModelAdapter) ->
     header = outputs_json(doc)
     headers = {"Server-Timing": f"queue;dur={1000 * answer.queue_s:.2f}, "
                                 f"infer;dur={1000 * answer.infer_s:.2f}"}
+    if answer.degraded:  # as /v1 marks it: the cache keeps no fallback's answer
+        headers["X-Vega-Degraded"] = "1"
     if not blobs:
         return Reply(200, header, headers, "ok")
     headers[HEADER_LENGTH] = str(len(header))

@@ -6,7 +6,9 @@ other's answers. A miss costs at most one Redis round trip, bounded by the clien
 socket timeout; the Redis write after a miss does not hold up the answer. What is
 stored is the reply as sent (body and headers), so a hit returns the same bytes.
 
-The key is a digest of the model name, its version, how the protocol renders the
+The key is a digest of the model name, its version and a digest of its weights (where
+the adapter gives one: a redeploy with new weights starts afresh even under the same
+version), how the protocol renders the
 answer (``/v1``: ``inputs`` or ``instances``; v2: the outputs asked for and the id),
 and the orjson re-serialisation of the parsed instances with sorted keys: bodies that
 differ only in whitespace or key order share an entry.
@@ -18,7 +20,7 @@ import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -89,13 +91,22 @@ class LruBytes:
         return evicted
 
 
+def identity(adapter: ModelAdapter) -> str:
+    """What a model's answers depend on besides their input: its version and, where the
+    adapter can tell (``weights_digest()``), its weights."""
+    weights = getattr(adapter, "weights_digest", None)
+    digest = weights() if weights is not None else ""
+    return f"{adapter.version}:{digest}" if digest else adapter.version
+
+
 class ResponseCache:
     """The two tiers over the models that opted in."""
 
-    def __init__(self, max_bytes: int, models: Iterable[str], metrics: Metrics,
+    def __init__(self, max_bytes: int, models: Mapping[str, str], metrics: Metrics,
                  redis: SideRedis | None = None, redis_ttl_s: float = 0.0) -> None:
+        """``models``: each cached model's name and its ``identity``."""
         self.lru = LruBytes(max_bytes)
-        self.models = frozenset(models)
+        self.models = dict(models)
         self.metrics = metrics
         self.redis = redis if redis_ttl_s > 0 else None
         self._ttl_ms = max(1, int(1000 * redis_ttl_s))
@@ -103,6 +114,10 @@ class ResponseCache:
 
     def covers(self, model: str) -> bool:
         return model in self.models
+
+    def key(self, model: str, variant: str, instances: Any) -> str:
+        """The key of a covered model's answer to ``instances``, rendered as ``variant``."""
+        return cache_key(model, self.models[model], variant, instances)
 
     async def get(self, model: str, key: str) -> bytes | None:
         """The stored body, from this process or Redis; counts hits and misses."""
