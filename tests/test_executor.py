@@ -409,6 +409,25 @@ def test_requests_while_the_model_process_restarts_get_503_not_ready(
     assert infer(proc.url).status_code == 200
 
 
+def test_jobs_queued_through_a_model_process_restart_run_after_it_not_dead_lettered(
+        echo_process: Callable[..., VegaProcess]) -> None:
+    # One job a batch, 200 ms each: most are still queued when the model process dies.
+    proc = echo_process(TEST_SLEEP_MS="200", TEST_LOAD_SLEEP_MS="2000",
+                        VEGA_MAX_BATCH_SIZE="1")
+    first = model_pid(proc)
+    body = orjson.dumps({"inputs": window(8)})
+    ids = [httpx.post(proc.url + "/v1/jobs", content=body, timeout=5).json()["id"]
+           for _ in range(12)]
+    wait_until(lambda: metric(proc, "vega_inflight_batches") >= 1, 10, "a job running")
+    os.kill(first, signal.SIGKILL)
+
+    def states() -> list[str]:
+        return [httpx.get(f"{proc.url}/v1/jobs/{i}", timeout=5).json()["status"] for i in ids]
+    wait_until(lambda: all(s in ("done", "failed") for s in states()), 60, "every job ended")
+    assert states() == ["done"] * len(ids)  # not one refused while no model could run it
+    assert metric(proc, "vega_jobs_dead_letters") == 0
+
+
 def test_a_stopped_server_lets_its_model_process_exit_not_killed(
         echo_process: Callable[..., VegaProcess], tmp_path: Path) -> None:
     # The loop reads the child's pipe through a dup of it: left open, the child never saw

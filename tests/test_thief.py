@@ -233,3 +233,25 @@ async def test_a_loop_that_lost_its_cancellation_is_cancelled_again() -> None:
     await asyncio.sleep(0)
     assert not await stop_tasks([task], timeout_s=5)
     assert task.cancelled()
+
+
+async def test_no_batch_is_read_while_its_model_process_restarts(redis_url: str) -> None:
+    """A batch taken while no model can run would fail, though a peer could run it: left
+    unread, then run once the model is back."""
+    rig = Rig(redis_url, "thief-3")
+    up = [False]
+    rig.link.runnable = lambda: up[0]
+    await rig.start(lambda: rig.thief.steal_loop(MODEL))
+    try:
+        assert not rig.link.lending()  # nor are spare threads offered in its heartbeat
+        sent = entry("origin-6", "origin-6.b.1")
+        await rig.look.delete(reply_key(sent.origin))
+        await rig.look.xadd(overflow_key(MODEL), encode_overflow(sent))
+        await asyncio.sleep(0.5)
+        assert rig.ran == []
+        assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
+        up[0] = True
+        await eventually(lambda: rig.ran, "the batch run once its model is back")
+        assert [batch.items[0].length for batch in rig.ran] == [2]
+    finally:
+        await rig.stop()

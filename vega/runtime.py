@@ -141,12 +141,12 @@ class Runtime:
             served.task = asyncio.create_task(batcher.run(), name=f"batcher-{adapter.name}")
             served.task.add_done_callback(_log_task_end)
             self.models[adapter.name] = served
+        batchers = {n: (m.adapter, m.batcher) for n, m in self.models.items()}
         if s.redis_url:
-            self.streams = Streams(s, self.node_id, self.metrics,
-                                   {n: (m.adapter, m.batcher) for n, m in self.models.items()},
-                                   self._run_local, self.lag)
+            self.streams = Streams(s, self.node_id, self.metrics, batchers, self._run_local,
+                                   self.lag, lambda: self.executor.available)
             self.streams.start()
-        self.jobs.start({n: (m.adapter, m.batcher) for n, m in self.models.items()})
+        self.jobs.start(batchers, lambda: self.executor.available)
         self._capacity_task = asyncio.create_task(
             sample_forever(self.capacity, self.reporter.capacity_sample, s.capacity_sample_s),
             name="capacity")

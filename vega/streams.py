@@ -18,7 +18,7 @@ import asyncio
 import logging
 import math
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis import exceptions as rexc
@@ -61,8 +61,9 @@ class Streams:
     """The origin's side of overflow, and the loops of both sides."""
 
     def __init__(self, settings: Settings, node: str, metrics: Metrics, models: Models,
-                 run_local: RunLocal, lag: LoopLag | None = None) -> None:
-        self.link = link = Link(settings, node, metrics, models, run_local)
+                 run_local: RunLocal, lag: LoopLag | None = None,
+                 runnable: Callable[[], bool] = lambda: True) -> None:
+        self.link = link = Link(settings, node, metrics, models, run_local, runnable)
         link.on_error, link.take_back = self.redis_error, self._take_back
         link.reposted = self._reposted
         self.settings = settings

@@ -48,8 +48,9 @@ class Link:
     """One process's end of the side channel: settings, node id, clients, shared state."""
 
     def __init__(self, settings: Settings, node: str, metrics: Metrics, models: Models,
-                 run_local: RunLocal) -> None:
+                 run_local: RunLocal, runnable: Callable[[], bool] = lambda: True) -> None:
         self.settings = settings
+        self.runnable = runnable  # whether a model can run a batch here now
         self.node = node
         self.metrics = metrics
         self.models = dict(models)
@@ -64,6 +65,11 @@ class Link:
         self.on_error: Callable[[BaseException], None] = _log_refused
         self.take_back: Callable[[str, str], None] = _no_take_back
         self.reposted: Callable[[str, Any], None] = _no_repost  # our batch, under a new id
+
+    def lending(self) -> bool:
+        """Whether peers' batches may run here now: not draining, and no model process
+        restarting (a batch taken then would fail, though a peer could have run it)."""
+        return self.stealing and self.runnable()
 
     def client(self, timeout_s: float) -> Client:
         """A client of its own (a blocking reader's), commands bounded by ``timeout_s``."""

@@ -79,7 +79,7 @@ class Peers:
                                           for m, (_, b) in models.items()}),
             "inflight": sum(b.inflight for _, b in models.values()),
             "handed_off": self._handed_off(),
-            "spare": orjson.dumps({m: b.spare_threads if link.stealing else 0
+            "spare": orjson.dumps({m: b.spare_threads if link.lending() else 0
                                    for m, (_, b) in models.items()}),
         }
         async with link.cmd.pipeline(transaction=False) as pipe:

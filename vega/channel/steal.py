@@ -93,12 +93,14 @@ class Thief:
         await asyncio.sleep(BLOCK_MS / 1000)
 
     def _idle_now(self) -> bool:
-        return self.link.stealing and not any(b.depth() or b.inflight
-                                              for _, b in self.models.values())
+        return self.link.lending() and not any(b.depth() or b.inflight
+                                               for _, b in self.models.values())
 
     async def _idle(self) -> None:
         if not self.link.stealing:
             await asyncio.Event().wait()  # a draining process never steals again
+        while not self.link.runnable():  # its model process is restarting
+            await asyncio.sleep(BLOCK_MS / 1000)
         while any(b.depth() or b.inflight for _, b in self.models.values()):
             for _, batcher in self.models.values():
                 await batcher.wait_idle()

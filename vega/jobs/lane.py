@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from vega.batcher import Batcher
@@ -50,9 +50,11 @@ class JobLane:
     def durable(self) -> bool:
         return self.store.durable
 
-    def start(self, models: Mapping[str, tuple[ModelAdapter, Batcher]]) -> None:
+    def start(self, models: Mapping[str, tuple[ModelAdapter, Batcher]],
+              runnable: Callable[[], bool] = lambda: True) -> None:
+        """Claim and run jobs for ``models`` while ``runnable()`` (a model can run now)."""
         for name, (adapter, batcher) in models.items():
-            runner = self.runners[name] = JobRunner(self, adapter, batcher)
+            runner = self.runners[name] = JobRunner(self, adapter, batcher, runnable)
             self.stats[name] = Stats()
             self.counts[name] = dict.fromkeys(OUTCOMES, 0)
             self._spawn(runner.run(), f"jobs-{name}")

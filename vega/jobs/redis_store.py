@@ -107,7 +107,8 @@ end
 return 0
 """
 
-# KEYS: job, stream. ARGV: entry, job id. Back in the stream as a new entry.
+# KEYS: job, stream. ARGV: entry, job id, 1 to give back the attempt (else 0). Back in the
+# stream as a new entry.
 _RETRY = """
 local status = redis.call('HGET', KEYS[1], 'status')
 redis.call('XACK', KEYS[2], 'workers', ARGV[1])
@@ -115,6 +116,9 @@ redis.call('XDEL', KEYS[2], ARGV[1])
 if status == 'queued' or status == 'running' then
   local entry = redis.call('XADD', KEYS[2], '*', 'id', ARGV[2])
   redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', entry)
+  if ARGV[3] ~= '0' then
+    redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+  end
 end
 return 0
 """
@@ -288,9 +292,9 @@ class RedisStore:
                   self.dlq_maxlen],
             client=self.cmd)
 
-    async def retry(self, job: Job) -> None:
+    async def retry(self, job: Job, ran: bool = True) -> None:
         await self._scripts["retry"](keys=[job_key(job.model, job.id), jobs_key(job.model)],
-                                     args=[job.entry, job.id], client=self.cmd)
+                                     args=[job.entry, job.id, 0 if ran else 1], client=self.cmd)
 
     async def refresh(self, model: str, consumer: str, jobs: list[Job]) -> None:
         """Reset the idle time of entries held here, so no peer reclaims live work."""

@@ -40,8 +40,10 @@ MISSED = frozenset({"deadline_exceeded", "deadline_unmeetable"})
 
 class JobRunner:
     def __init__(self, lane: JobLane, adapter: ModelAdapter, batcher: Batcher,
+                 runnable: Callable[[], bool] = lambda: True,
                  clock: Callable[[], int] = wall_ms) -> None:
         self.lane = lane
+        self.runnable = runnable  # whether a model can run a batch now (none is restarting)
         self.clock = clock  # wall ms, as jobs' expiries are kept (the simulator's is virtual)
         self.model = adapter.name
         self.adapter = adapter
@@ -62,6 +64,8 @@ class JobRunner:
         while True:
             await self.lane.taking.wait()
             await self.batcher.wait_no_inline()
+            while not self.runnable():  # a job claimed now would fail unrun; a peer may run it
+                await asyncio.sleep(PAUSE_S)
             while self.held_items >= self.hold_items:
                 self._room.clear()
                 await self._room.wait()
@@ -155,6 +159,8 @@ class JobRunner:
                     await self._end(job, DONE, outputs=body)
             elif any(isinstance(e, VegaError) and e.code in MISSED for e in errors):
                 await self._end(job, EXPIRED)  # its ttl passed (or would) while queued here
+            elif all(isinstance(e, VegaError) and e.code == "not_ready" for e in errors):
+                await self.lane.store.retry(job, ran=False)  # refused unrun: not an attempt
             elif job.attempts < self.lane.max_attempts:
                 self.lane.metrics.jobs_retried.labels(self.model).inc()
                 await self.lane.store.retry(job)

@@ -117,7 +117,9 @@ class JobStore(Protocol):
     async def finish(self, job: Job, status: str, outputs: bytes = b"",
                      error: dict[str, str] | None = None, dead_letter: bool = False) -> None: ...
 
-    async def retry(self, job: Job) -> None: ...
+    async def retry(self, job: Job, ran: bool = True) -> None:
+        """Queue ``job`` again; ``ran=False`` gives back the attempt its start counted (no
+        model ran it: its model process was restarting)."""
 
     async def refresh(self, model: str, consumer: str, jobs: list[Job]) -> None: ...
 
@@ -233,11 +235,12 @@ class MemoryStore:
             state.dead_letters += 1
         self._close(job, status)
 
-    async def retry(self, job: Job) -> None:
+    async def retry(self, job: Job, ran: bool = True) -> None:
         state = self._model(job.model)
         state.running.discard(job.id)
         if job.status not in FINAL:
             job.status = QUEUED
+            job.attempts -= 0 if ran else 1
             state.queue.append(job.id)
             state.arrived.set()
 
