@@ -15,6 +15,8 @@ import redis
 from tests.infra import RedisServer
 from tests.inproc import in_process
 from tests.models import FAIL_MARK, echo, window
+from vega.jobs.redis_store import RedisStore
+from vega.jobs.store import Job, MemoryStore, new_id, wall_ms
 from vega.runtime import Runtime
 
 BASE = {"VEGA_WARMUP_BATCHES": "1", "VEGA_TORCH_THREADS": "1", "VEGA_LENGTH_BUCKETS": "16",
@@ -252,3 +254,47 @@ async def test_prefer_respond_async_turns_an_inline_refusal_into_a_job() -> None
         assert served_inline.status_code == 200  # not refused: nothing is turned
         bad = await client.post("/v1/infer", content=b"{", headers={"Prefer": "respond-async"})
         assert bad.status_code == 400
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_job_refused_unrun_gets_back_the_attempt_its_start_counted(
+        kind: str, tmp_path: Any) -> None:
+    server = None
+    if kind == "memory":
+        store: Any = MemoryStore(60, 100)
+    else:
+        server = RedisServer(tmp_path).start()
+        store = RedisStore(server.url, 1.0, 60, 1000)
+    try:
+        now = wall_ms()
+        job = Job(id=new_id(), model="m", instances=b"[[[1.0]]]", single=True, priority=0,
+                  created_ms=now, expires_ms=now + 60_000)
+        await store.submit(job, None, "", 100)
+        for ran, attempts in ((False, 0), (True, 1)):  # a model process restarting; a failure
+            [taken] = await store.start(await store.take("m", "me", 1))
+            assert taken.attempts == attempts + (0 if ran else 1)
+            await store.retry(taken, ran=ran)
+            again = await store.get("m", job.id)
+            assert again is not None and again.status == "queued"
+            assert again.attempts == attempts
+    finally:
+        await store.close()
+        if server is not None:
+            server.stop()
+
+
+async def test_a_burst_of_polls_past_the_redis_pool_waits_for_connections(
+        tmp_path: Any) -> None:
+    server = RedisServer(tmp_path).start()
+    try:
+        # Commands get a second: this loop's own lateness, with 300 requests in it, is
+        # not under test, only the 64 connections of the store's pool.
+        async with served(VEGA_REDIS_URL=server.url, VEGA_REDIS_TIMEOUT_MS="1000") as (
+                client, _runtime, _):
+            job_id = (await submit(client, {"inputs": window(4)})).json()["id"]
+            assert (await until_final(client, job_id))["status"] == "done"
+            polls = await asyncio.gather(*(client.get(f"/v1/jobs/{job_id}")
+                                           for _ in range(300)))  # the pool holds 64
+        assert [r.status_code for r in polls] == [200] * 300, {r.text for r in polls}
+    finally:
+        server.stop()

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
 from redis import exceptions as rexc
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
@@ -41,6 +41,9 @@ DOWN_FOR_S = 1.0  # after a failure, skip Redis this long before trying again
 # or a Sentinel that names no primary, included.
 CONNECTION_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
                      rexc.SlotNotCoveredError, rexc.TryAgainError, rexc.RedisClusterException)
+
+
+POOL_WAIT_S = 1.0  # the longest a command waits for a free connection (standalone)
 
 
 class Unavailable(Exception):
@@ -83,7 +86,11 @@ def connect(url: str, timeout_s: float, *, connect_timeout_s: float | None = Non
             target.service, db=target.db, username=target.username,
             password=target.password, ssl=target.tls, **common)
         return client
-    return Redis.from_url(url, **common)
+    # Past max_connections a command waits for a free connection, a second at most: a
+    # burst of job polls is local queueing, not Redis failing, and must not fail commands
+    # (a result not stored is a job run twice). Each command itself keeps ``timeout_s``.
+    pool = BlockingConnectionPool.from_url(url, timeout=max(POOL_WAIT_S, timeout_s), **common)
+    return Redis.from_pool(pool)
 
 
 def sharded(client: Client) -> bool:
