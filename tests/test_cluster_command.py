@@ -92,20 +92,34 @@ def test_cluster_command_serves_through_nginx_and_stops_everything(tmp_path: Pat
 
 
 @pytest.mark.timeout(180)
-def test_stopping_the_cluster_answers_what_it_admitted(tmp_path: Path) -> None:
-    # Nginx stops after the Vega processes have drained, and gracefully: given SIGTERM
-    # with them, it closed the connections of the requests they were still answering.
+def test_stopping_the_cluster_answers_what_it_admitted_and_no_502(tmp_path: Path) -> None:
+    # Nginx stops gracefully (given SIGTERM it closed the connections of the requests the
+    # processes were still answering), and with the processes: after them, it answered
+    # 502 from their closed sockets until it had stopped.
     proc, run_dir, port, _ = cluster_in(tmp_path, 1, TEST_SLEEP_MS="1000",
                                         VEGA_LENGTH_BUCKETS="16")
+    url = f"http://127.0.0.1:{port}/v1/infer"
+
+    def meanwhile() -> list[int]:
+        """Statuses of requests sent one after another until the cluster has exited."""
+        statuses = []
+        while proc.poll() is None:
+            try:
+                statuses.append(httpx.post(url, json={"inputs": window(4)}, timeout=30)
+                                .status_code)
+            except httpx.TransportError:
+                statuses.append(0)  # refused: Nginx no longer listens
+        return statuses
     try:
-        with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/infer",
-                                  json={"instances": [window(4), window(9)],
-                                        "deadline_ms": 20_000}, timeout=60)
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, url, json={"instances": [window(4), window(9)],
+                                                         "deadline_ms": 20_000}, timeout=60)
             wait_until(lambda: _inflight(port) >= 1, 30, "its batch running")
             proc.send_signal(signal.SIGTERM)
+            later = pool.submit(meanwhile)
             answer = running.result()
             assert answer.status_code == 200 and len(answer.json()["outputs"]) == 2
+            assert set(later.result()) <= {503, 0}, later.result()
         assert proc.wait(60) == 0
     finally:
         stop(proc)

@@ -283,10 +283,11 @@ def _wait_for(check: object, what: str, timeout_s: float = 30) -> None:
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM the Vega processes (they drain: what they admitted is answered, the rest
-    503 through Nginx), then SIGQUIT Nginx (its graceful stop: the answers on their way
-    out are sent; SIGTERM would close every client connection at once), then SIGTERM
-    Redis; kill what does not exit.
+    """SIGTERM the Vega processes (they drain: what they admitted is answered, what
+    reaches them meanwhile gets 503) and SIGQUIT Nginx with them (its graceful stop: it
+    accepts no more connections, and sends the answers on their way out; SIGTERM would
+    close every client connection at once, and Nginx outliving the processes would
+    answer 502 from their closed sockets), then SIGTERM Redis; kill what does not exit.
 
     A Ctrl-C or SIGTERM meanwhile hurries the stop (what is left gets HURRIED_S, then
     SIGKILL) instead of cutting it short, which would leave the children running."""
@@ -294,13 +295,14 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     redis = [p for p in procs if isinstance(p.args, list) and p.args[0] == "redis-server"]
     nginx = [p for p in procs if isinstance(p.args, list) and p.args[0] == "nginx"]
     vegas = [p for p in procs if p not in redis and p not in nginx]
-    for group, stop in ((vegas, signal.SIGTERM), (nginx, signal.SIGQUIT),
-                        (redis, signal.SIGTERM)):
-        for proc in group:
+    stages = ([(p, signal.SIGTERM) for p in vegas] + [(p, signal.SIGQUIT) for p in nginx],
+              [(p, signal.SIGTERM) for p in redis])
+    for stage in stages:
+        for proc, stop in stage:
             if proc.poll() is None:
                 proc.send_signal(stop)
         end = time.monotonic() + DRAIN_S
-        for proc in group:
+        for proc, _ in stage:
             while proc.poll() is None and time.monotonic() < _Hurry.until(end):
                 time.sleep(0.05)
             if proc.poll() is None:
