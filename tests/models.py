@@ -277,3 +277,16 @@ def redeployed(name: str) -> Any:
     if "TEST_VERSION" in os.environ:
         module.vega_version = os.environ["TEST_VERSION"]  # type: ignore[assignment]
     return module
+
+
+def scale_not_lengths(name: str) -> Any:
+    """``forward(x, scale=1.0)``: a second parameter that is not the lengths, which Vega
+    passes there all the same; it fails only on a batch of more than one window."""
+    import torch
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x: torch.Tensor, scale: Any = 1.0) -> torch.Tensor:
+            scaled: torch.Tensor = x.mean(dim=1) * scale
+            return scaled
+
+    return Scaled()

@@ -386,3 +386,10 @@ def test_a_module_names_its_version_and_new_weights_change_its_identity(
     monkeypatch.setenv("TEST_VERSION", "v1/2")  # a version is one segment of a /v2 path
     with pytest.raises(ModelLoadError, match="vega_version 'v1/2' is not 1-64 letters"):
         load_model("python:tests.models:redeployed")
+
+
+def test_a_module_that_fails_only_batched_is_told_what_batch_it_was_given() -> None:
+    adapter = load_model("python:tests.models:scale_not_lengths")
+    with pytest.raises(RuntimeError, match=r"failed on an example batch: x \[2, \d+, 8\] "
+                                           r"float32, lengths \[2\] int64 \(\d+, \d+\)"):
+        adapter.load("cpu")

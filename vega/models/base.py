@@ -122,16 +122,21 @@ class SequenceModel:
     def try_window(self, window: np.ndarray) -> np.ndarray:
         """``window`` alone through the module at load: a module that cannot take what
         Vega gives it says so, with what it was given."""
-        length = window.shape[0]
+        return self.try_batch([window])
+
+    def try_batch(self, windows: list[np.ndarray]) -> np.ndarray:
+        """``windows`` as one batch, padded to the longest, through the module at load."""
+        length = max(window.shape[0] for window in windows)
         try:
-            return self._forward([window], length)
+            return self._forward(windows, length)
         except NotATensor:
             raise
         except Exception as error:
+            lengths = ", ".join(str(window.shape[0]) for window in windows)
             raise RuntimeError(
-                f"model {self.name!r} failed on an example batch: x [1, {length}, "
-                f"{self.channels}] float32, lengths [1] int64{self.inputs_hint}: "
-                f"{type(error).__name__}: {error}") from error
+                f"model {self.name!r} failed on an example batch: x [{len(windows)}, "
+                f"{length}, {self.channels}] float32, lengths [{len(windows)}] int64 "
+                f"({lengths}){self.inputs_hint}: {type(error).__name__}: {error}") from error
 
     def inspect_outputs(self) -> None:
         """Once loaded, from a window run alone and then batched with a longer one: whether
@@ -143,7 +148,7 @@ class SequenceModel:
         short, long_ = lengths
         window = self.example(short)
         alone = self.try_window(window)[0]
-        batched = self._forward([window, self.example(long_)], long_)[0]
+        batched = self.try_batch([window, self.example(long_)])[0]
         self.per_step = self._layout(lengths, alone.shape, batched.shape)
         self._check_batching(window, alone, batched[:short] if self.per_step else batched,
                              lengths)
