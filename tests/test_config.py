@@ -54,6 +54,11 @@ def test_precedence_defaults_env_file_environment_flags(tmp_path: Path) -> None:
     ({"VEGA_REDIS_URL": "redis://h:99999/0"}, "VEGA_REDIS_URL='redis://h:99999/0'"),
     ({"VEGA_REDIS_URL": "unix:///run/redis.sock?db=one"}, "VEGA_REDIS_URL"),
     ({"VEGA_MODEL_NAME": "my model"}, "VEGA_MODEL_NAME='my model'"),
+    ({"VEGA_JOBS_RESULT_TTL_S": "inf"}, "VEGA_JOBS_RESULT_TTL_S='inf'"),  # not a duration
+    ({"VEGA_IDEMPOTENCY_TTL_S": "1e309"}, "VEGA_IDEMPOTENCY_TTL_S"),
+    ({"VEGA_AUTH_TOKENS": ","}, "VEGA_AUTH_TOKENS"),  # would leave the API open
+    ({"VEGA_AUTH_TOKENS": "alpha,,beta"}, "VEGA_AUTH_TOKENS"),
+    ({"VEGA_AUTH_TOKENS": "gam ma"}, "VEGA_AUTH_TOKENS"),  # no Bearer header could carry it
 ])
 def test_bad_values_name_the_setting_and_what_is_allowed(env: dict[str, str], named: str) -> None:
     with pytest.raises(ConfigError) as caught:
@@ -72,15 +77,30 @@ def test_redis_password_is_masked_everywhere() -> None:
     s = load_settings(environ={"VEGA_REDIS_URL": "rediss://vega:s3cret@redis.example:6380/0"})
     assert s.redis_url.endswith("s3cret@redis.example:6380/0")  # still usable
     assert "s3cret" not in repr(s) and "s3cret" not in str(s.public())
-    with pytest.raises(ConfigError) as caught:
-        load_settings(environ={"VEGA_REDIS_URL": "http://user:s3cret@x"})
-    assert "s3cret" not in str(caught.value)
+    for bad in ("http://user:s3cret@x", "redis://:s3#cret@h:6379/0", "redis://:s3?cret@h/0",
+                "redis://u:s3/cret@h/0"):  # malformed, but the message shows no password
+        with pytest.raises(ConfigError) as caught:
+            load_settings(environ={"VEGA_REDIS_URL": bad})
+        assert "s3" not in str(caught.value) and "cret" not in str(caught.value), bad
     for url in ("redis://redis.example:6380/0?password=s3cret",  # as redis-py reads it too
                 "unix:///run/redis.sock?db=1&Password=s3cret"):
         s = load_settings(environ={"VEGA_REDIS_URL": url})
         assert s.redis_url == url
         assert "s3cret" not in repr(s) and "s3cret" not in str(s.public())
         assert s.public()["redis_url"] == url.replace("s3cret", "***")
+
+
+def test_tokens_are_trimmed_and_other_tools_variables_are_not_settings(tmp_path: Path) -> None:
+    assert load_settings(environ={"VEGA_AUTH_TOKENS": "alpha, beta "}).auth_tokens == \
+        "alpha,beta"
+    assert load_settings(environ={"VEGA_AUTH_TOKENS": " "}).auth_tokens == ""
+    assert load_settings(environ={"VEGA_BENCH_TOKEN": "t"}) == load_settings(environ={})
+    systemd = tmp_path / "vega.env"  # an EnvironmentFile holds the process's other variables
+    systemd.write_text("PYTHONPATH=/srv/models\nOMP_NUM_THREADS=1\nVEGA_PORT=9000\n")
+    assert load_settings(systemd, environ={}).port == 9000
+    systemd.write_text("VEGA_PROT=9000\n")  # a mistyped setting is still refused
+    with pytest.raises(ConfigError, match="VEGA_PROT: unknown setting"):
+        load_settings(systemd, environ={})
 
 
 def test_env_file_syntax_errors_are_reported(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ BODY = orjson.dumps({"inputs": window(8)})
 @pytest.fixture(scope="module")
 def guarded(vega_module: Callable[..., VegaProcess]) -> VegaProcess:
     return vega_module(VEGA_MODEL="python:tests.models:echo",
-                       VEGA_AUTH_TOKENS="alpha-token,beta-token",
+                       VEGA_AUTH_TOKENS="alpha-token, beta-token",  # trimmed, both good
                        VEGA_REDIS_URL="redis://:pa55word@127.0.0.1:1/0",
                        VEGA_LOG_LEVEL="debug")
 
@@ -35,6 +35,9 @@ def test_api_needs_a_known_bearer_token(guarded: VegaProcess) -> None:
                         headers={"Authorization": f"Bearer {token}"})
         assert ok.status_code == 200
     assert httpx.get(guarded.url + "/v1/status").status_code == 401
+    v2 = httpx.post(guarded.url + "/v2/models/echo/infer", content=b"{}")
+    assert v2.status_code == 401 and v2.json() == {  # the protocol's own error shape
+        "error": "unauthorized: missing or unknown bearer token"}
 
 
 def test_health_and_metrics_stay_open(guarded: VegaProcess) -> None:

@@ -8,21 +8,19 @@ is read off those fields. The result is one frozen ``Settings`` object built at 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from vega.channel.url import parse_redis_url
+from vega.envfile import ConfigError as ConfigError  # re-exported: part of what config offers
+from vega.envfile import mask_url
+from vega.envfile import read_env_file as read_env_file
 from vega.records import PRIORITY_NAMES
-
-
-class ConfigError(ValueError):
-    """A setting has a value that is not allowed; the message names both."""
-
 
 Parser = Callable[[str], Any]
 
@@ -58,7 +56,7 @@ def _int(lo: int, hi: int | None = None) -> Parser:
 def _float(lo: float, hi: float | None = None) -> Parser:
     def parse(raw: str) -> float:
         value = float(raw.strip())
-        if not value == value or value < lo or (hi is not None and value > hi):
+        if not math.isfinite(value) or value < lo or (hi is not None and value > hi):
             raise ValueError
         return value
 
@@ -77,6 +75,14 @@ def _choice(*options: str) -> Parser:
 
 def _text(raw: str) -> str:
     return raw.strip()
+
+
+def _tokens(raw: str) -> str:
+    """Bearer tokens, comma-separated: each trimmed, none empty or holding a space."""
+    tokens = [token.strip() for token in raw.split(",")]
+    if raw.strip() and (not all(tokens) or any(len(t.split()) > 1 for t in tokens)):
+        raise ValueError
+    return ",".join(tokens) if raw.strip() else ""
 
 
 def _name(raw: str) -> str:
@@ -263,7 +269,8 @@ class Settings:
         "(redis+sentinel://sentinel,sentinel/name); empty = this process alone.", secret=True)
     node_id: str = setting("", _node_id, "1-64 of A-Z a-z 0-9 _ . : -",
         "Name of this process in Redis (default: host-pid).")
-    auth_tokens: str = setting("", _text, "comma-separated tokens or empty",
+    auth_tokens: str = setting("", _tokens, "comma-separated tokens, none empty or with a "
+        "space; or empty",
         "Bearer tokens accepted on the API; empty = no authentication.", secret=True)
     auth_open_paths: str = setting("/healthz,/readyz,/metrics,/v2/health/live,/v2/health/ready",
         _text, "comma-separated paths", "Paths served without a token when tokens are set.")
@@ -348,39 +355,7 @@ SPECS: tuple[Spec, ...] = tuple(
     Spec(f.name, **f.metadata["vega"]) for f in dataclasses.fields(Settings))
 
 _BY_ENV = {spec.env: spec for spec in SPECS}
-
-
-def mask_url(url: str) -> str:
-    """Hide the password of a URL (one host or several), in its user info or its query
-    (``?password=``, as redis-py reads it), and keep the rest readable."""
-    parts = urlsplit(url)
-    userinfo, at, hosts = parts.netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
-        url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
-
-
-def read_env_file(path: str | Path) -> dict[str, str]:
-    """Parse systemd ``EnvironmentFile`` syntax: ``KEY=value``, ``#``/``;`` comments."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--env-file={path}: cannot read: {exc}") from None
-    values: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line[0] in "#;":
-            continue
-        key, sep, value = line.partition("=")
-        key = key.strip()
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise ConfigError(f"{path}:{number}: expected KEY=value, got {line!r}")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-            value = value[1:-1]
-        values[key] = value
-    return values
+NOT_SETTINGS = frozenset({"VEGA_BENCH_TOKEN"})  # read by `vega bench`, not by the server
 
 
 def load_settings(
@@ -401,6 +376,8 @@ def load_settings(
     layers.append(overrides or {})
     for layer in layers:
         for key, value in layer.items():
+            if not key.startswith("VEGA_") or key in NOT_SETTINGS:
+                continue  # an env file's other variables (PYTHONPATH...), or a tool's own
             if key not in _BY_ENV:
                 raise ConfigError(f"{key}: unknown setting (see conf/vega.env)")
             raw[key] = value
@@ -447,7 +424,9 @@ def length_bounds(configured: tuple[int, ...], max_length: int) -> tuple[int, ..
 def env_file_text() -> str:
     """The documented env file: every setting with its default (conf/vega.env)."""
     lines = ["# Vega settings. Every line shows the default; uncomment to change.",
-        "# Precedence: defaults < this file < VEGA_* environment < flags.", ""]
+        "# Precedence: defaults < this file < VEGA_* environment < flags.",
+        "# Under systemd this file overrides the unit's Environment= lines: leave what differs",
+        "# per instance (VEGA_UDS, VEGA_NODE_ID, VEGA_HOST, VEGA_PORT) to those.", ""]
     for spec in SPECS:
         lines.append(f"# {spec.doc} Allowed: {spec.allowed}.")
         lines.append(f"#{spec.env}={spec.default}")

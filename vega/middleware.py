@@ -81,8 +81,10 @@ class BearerAuthMiddleware:
         if scheme.lower() == b"bearer" and self._known(token.strip()):
             await self.app(scope, receive, send)
             return
-        body = orjson.dumps({"error": {"code": "unauthorized",
-                                       "message": "missing or unknown bearer token"}})
+        message = "missing or unknown bearer token"
+        body = orjson.dumps({"error": f"unauthorized: {message}"}  # each protocol's shape
+                            if scope["path"].startswith("/v2") else
+                            {"error": {"code": "unauthorized", "message": message}})
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b'Bearer realm="vega"')]})
