@@ -16,7 +16,7 @@ from tests.infra import RedisServer
 from tests.inproc import in_process
 from tests.models import FAIL_MARK, echo, window
 from vega.jobs.redis_store import RedisStore
-from vega.jobs.store import Job, MemoryStore, new_id, wall_ms
+from vega.jobs.store import Job, MemoryStore, Submitted, new_id, wall_ms
 from vega.runtime import Runtime
 
 BASE = {"VEGA_WARMUP_BATCHES": "1", "VEGA_TORCH_THREADS": "1", "VEGA_LENGTH_BUCKETS": "16",
@@ -238,6 +238,23 @@ async def test_an_idempotency_key_gives_one_job_and_another_body_is_422(
         assert runtime.jobs.counts["echo"]["done"] == 1
 
 
+async def test_a_key_whose_job_result_has_expired_starts_a_new_job(
+        store_env: dict[str, str]) -> None:
+    async with served(**store_env, VEGA_JOBS_RESULT_TTL_S="1") as (client, _runtime, _):
+        body, key = {"inputs": window(5)}, {"Idempotency-Key": "k-expiring"}
+        first = (await submit(client, body, **key)).json()["id"]
+        assert (await until_final(client, first))["status"] == "done"
+        for _ in range(100):  # the result is kept a second, then forgotten
+            if (await client.get(f"/v1/jobs/{first}")).status_code == 404:
+                break
+            await asyncio.sleep(0.05)
+        again = await submit(client, body, **key)
+        # Not a replay of an id that answers 404 for good: a job that runs.
+        assert again.status_code == 202 and "idempotent-replayed" not in again.headers
+        assert again.json()["id"] != first
+        assert (await until_final(client, again.json()["id"]))["status"] == "done"
+
+
 async def test_prefer_respond_async_turns_an_inline_refusal_into_a_job() -> None:
     # Sheddable requests are always refused here (watermark 0): the turn is certain.
     async with served(VEGA_SHED_WATERMARK="0") as (client, _, _model):
@@ -297,4 +314,35 @@ async def test_a_burst_of_polls_past_the_redis_pool_waits_for_connections(
                                            for _ in range(300)))  # the pool holds 64
         assert [r.status_code for r in polls] == [200] * 300, {r.text for r in polls}
     finally:
+        server.stop()
+
+
+async def test_a_submit_whose_answer_timed_out_is_looked_up_before_it_is_refused(
+        tmp_path: Any) -> None:
+    server = RedisServer(tmp_path).start()
+    store = RedisStore(server.url, 1.0, 60, 1000)
+    script = store._scripts["submit"]
+
+    async def ran_then_timed_out(**kwargs: Any) -> Any:
+        await script(**kwargs)  # Redis ran it; its answer came too late for the client
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+    async def timed_out(**kwargs: Any) -> Any:
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+    try:
+        now = wall_ms()
+        for fake, stored in ((ran_then_timed_out, True), (timed_out, False)):
+            job = Job(id=new_id(), model="m", instances=b"[[[1.0]]]", single=True,
+                      priority=0, created_ms=now, expires_ms=now + 60_000)
+            store._scripts["submit"] = fake  # type: ignore[assignment]
+            if stored:  # taken: a 202, not a 503 that would send it to another process
+                assert await store.submit(job, None, "", 100) == Submitted(job.id, "queued",
+                                                                           True)
+            else:
+                with pytest.raises(redis.exceptions.TimeoutError):
+                    await store.submit(job, None, "", 100)
+            assert (await store.get("m", job.id) is not None) is stored
+    finally:
+        await store.close()
         server.stop()

@@ -127,6 +127,10 @@ def test_not_ready_while_warming_up(vega: Callable[..., VegaProcess]) -> None:
     refused = httpx.post(server.url + "/v1/infer", content=BODY)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
     assert int(refused.headers["retry-after"]) >= 1
+    # A job it cannot look up yet (its models' runners start once warm) is not "gone":
+    # behind Nginx a 503 sends the poll to a process that can answer it.
+    polled = httpx.get(server.url + "/v1/jobs/AAAAAAAAAAAAAAAAAAAAAA")
+    assert polled.status_code == 503 and polled.json()["error"]["code"] == "not_ready"
     server.wait_ready()
     assert httpx.post(server.url + "/v1/infer", content=BODY).status_code == 200
     # Counted under the model it asked for (loaded, not yet warm), not under `_unknown`.

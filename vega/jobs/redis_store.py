@@ -66,6 +66,12 @@ if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4] .. '|' .. ARGV[1], 'PX'
 return {0, ARGV[1]}
 """
 
+# KEYS: an idempotency key. ARGV: the value it held. Deleted only if it still holds it.
+_FORGET = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # KEYS: the records of jobs of one model (one slot). Per job, its attempt number when it
 # may run now, else -1 (finished or cancelled). One script, not a pipeline of scripts: a
 # Redis Cluster client refuses scripts in a pipeline.
@@ -157,7 +163,7 @@ class RedisStore:
         self.dlq_maxlen = dlq_maxlen
         self._scripts = {name: self.cmd.register_script(text) for name, text in (
             ("submit", _SUBMIT), ("start", _START), ("finish", _FINISH), ("retry", _RETRY),
-            ("cancel", _CANCEL))}
+            ("cancel", _CANCEL), ("forget", _FORGET))}
         self._groups: set[str] = set()
         # Behind Sentinel a 202 waits until a replica has the job, so that killing the
         # primary right after it cannot lose it (replication is asynchronous).
@@ -175,17 +181,24 @@ class RedisStore:
         self._groups.add(model)
 
     async def submit(self, job: Job, key: str | None, print_: str,
-                     max_depth: int) -> Submitted:
+                     max_depth: int, stale_ok: bool = True) -> Submitted:
         ttl_ms = max(1, job.expires_ms - wall_ms()) + self.result_ttl_ms
         digest = hashlib.blake2b((key or "").encode(), digest_size=16).hexdigest()
+        idem_key = job_idem_key(job.model, digest)
         fields: list[Any] = ["model", job.model, "status", QUEUED, "created_ms", job.created_ms,
                   "expires_ms", job.expires_ms, "single", int(job.single),
                   "priority", job.priority, "attempts", 0, "inputs", job.instances]
-        code, value = await self._scripts["submit"](
-            keys=[jobs_key(job.model), job_key(job.model, job.id),
-                  job_idem_key(job.model, digest)],
-            args=[job.id, max_depth, ttl_ms, print_ if key is not None else "", *fields],
-            client=self.cmd)
+        try:
+            code, value = await self._scripts["submit"](
+                keys=[jobs_key(job.model), job_key(job.model, job.id), idem_key],
+                args=[job.id, max_depth, ttl_ms, print_ if key is not None else "", *fields],
+                client=self.cmd)
+        except rexc.TimeoutError:
+            # Redis may have run it (a large body, a loaded host): a 503 says nothing was
+            # taken, and Nginx would send the job to another process, so look first.
+            if await self.get(job.model, job.id) is None:
+                raise
+            code, value = 0, job.id
         value = value.decode() if isinstance(value, bytes) else str(value)
         if code == 0:
             if self._replicas and await self.cmd.wait(self._replicas, self._wait_ms) < 1:
@@ -194,7 +207,13 @@ class RedisStore:
             return Submitted(job.id, QUEUED, True)
         if code == 1:
             earlier = await self.get(job.model, value)
-            return Submitted(value, earlier.state(wall_ms()) if earlier else QUEUED, False)
+            if earlier is not None:
+                return Submitted(value, earlier.state(wall_ms()), False)
+            if stale_ok:  # the key outlived its job's result (kept from the job's finish)
+                await self._scripts["forget"](keys=[idem_key], args=[f"{print_}|{value}"],
+                                              client=self.cmd)
+                return await self.submit(job, key, print_, max_depth, stale_ok=False)
+            return Submitted(value, QUEUED, False)  # another submit took the key back
         if code == 2:
             raise conflict()
         raise queue_full(int(value), max_depth)

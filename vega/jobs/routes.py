@@ -166,6 +166,9 @@ class JobsApi:
     async def _job(self, job_id: str) -> Job:
         if not valid_id(job_id):
             raise VegaError("job_not_found", "no such job")
+        if not self.runtime.jobs.runners:  # warming up: its models' jobs are not known yet
+            raise VegaError("not_ready", "this process is still warming up",
+                            retry_after_ms=1000.0)
         try:
             job = await self.runtime.jobs.find(job_id)
         except STORE_ERRORS:
