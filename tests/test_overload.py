@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -103,6 +104,27 @@ async def test_sheddable_goes_first_and_critical_keeps_headroom(
     assert sheddable["ok"] / 120 <= normal["ok"] / 60, seen
 
 
+async def test_critical_refused_before_its_body_is_read_is_counted_as_critical(
+        vega: Callable[..., VegaProcess]) -> None:
+    # The class only in the body: a full queue refuses it unread, and it still counts as
+    # critical (the VegaCriticalRefused alert reads that label), not as the header's default.
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="200",
+                  VEGA_QUEUE_CAPACITY="4", VEGA_MAX_BATCH_SIZE="1",
+                  VEGA_DEFAULT_DEADLINE_MS="30000", VEGA_CODEL_INTERVAL_MS="30000")
+    body = orjson.dumps({"inputs": window(16), "priority": "critical"})
+    filling = asyncio.create_task(fire(server.url, [body] * 8))
+
+    def full() -> bool:
+        depth = httpx.get(server.url + "/v1/status", timeout=5).json()["models"]["echo"]["depth"]
+        return sum(int(n) for n in depth.values()) >= 4
+    await asyncio.to_thread(wait_until, full, 30, "a full queue")
+    seen = codes(await fire(server.url, [body] * 10))  # refused before their bodies are read
+    seen += codes(await filling)
+    assert seen["queue_full"] >= 10, seen
+    assert metric(server, "vega_rejections_total", priority="critical") == seen["queue_full"]
+    assert metric(server, "vega_rejections_total", priority="normal") == 0
+
+
 def test_token_bucket_rate_limits_with_retry_after(vega: Callable[..., VegaProcess]) -> None:
     server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_RATE_LIMIT="2", VEGA_BURST="4")
     answers = [httpx.post(server.url + "/v1/infer", content=BODY, timeout=10) for _ in range(8)]
@@ -135,6 +157,18 @@ def test_not_ready_while_warming_up(vega: Callable[..., VegaProcess]) -> None:
     assert httpx.post(server.url + "/v1/infer", content=BODY).status_code == 200
     # Counted under the model it asked for (loaded, not yet warm), not under `_unknown`.
     assert metric(server, "vega_requests_total", model="echo", outcome="not_ready") == 1
+
+
+def test_a_caller_that_stops_mid_body_does_not_hold_the_stop(
+        vega: Callable[..., VegaProcess]) -> None:
+    server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_DRAIN_TIMEOUT_S="1")
+    with socket.create_connection(("127.0.0.1", server.port)) as stalled:
+        stalled.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 1000\r\n\r\n{\"inputs\": [")  # and no more
+        time.sleep(0.5)
+        server.signal(signal.SIGTERM)
+        # Drained (1 s), then the grace uvicorn gives what it still waits for (2 s).
+        assert server.proc is not None and server.proc.wait(15) == 0
 
 
 async def test_drain_on_sigterm_answers_everything_admitted(

@@ -29,6 +29,9 @@ from vega.config import SPECS, ConfigError, Settings, load_settings
 
 EXIT_CONFIG = 2
 EXIT_STARTUP = 3
+# After the drain, what uvicorn still waits for (a caller that stopped sending its body
+# halfway) gets this long before its task is cancelled: a stop stays bounded.
+SHUTDOWN_GRACE_S = 2
 
 if TYPE_CHECKING:
     from vega.runtime import Runtime
@@ -113,7 +116,8 @@ def serve(settings: Settings) -> int:
         "host": settings.host, "port": settings.port}
     config = uvicorn.Config(app, loop="uvloop", http=OneWriteProtocol, lifespan="on",
                             access_log=settings.access_log, log_level=settings.log_level,
-                            timeout_keep_alive=75, proxy_headers=False, **options)
+                            timeout_keep_alive=75, proxy_headers=False,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **options)
     server = DrainingServer(config, runtime)
     server.run()
     failed = not server.started or runtime.failed is not None
