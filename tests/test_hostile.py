@@ -98,6 +98,21 @@ def test_413_is_answered_without_reading_the_rest(server: VegaProcess) -> None:
     assert reply.startswith(b"HTTP/1.1 413")
 
 
+def test_a_header_without_end_is_431_once_the_head_passes_64_kib(server: VegaProcess) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent = 0
+        try:
+            while sent < 1 << 20:  # a megabyte of one header, a few kilobytes at a time
+                sock.sendall(b"a" * 4096)
+                sent += 4096
+        except OSError:  # refused and closed: the rest could not be sent
+            pass
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
+    assert b'"code":"headers_too_large"' in reply
+
+
 def test_still_serving_after_all_that(client: httpx.Client, server: VegaProcess) -> None:
     assert client.post("/v1/infer", content=orjson.dumps({"inputs": window(8)})).status_code == 200
     # No hostile body reached the model and made it fail (labels are sorted, so match the

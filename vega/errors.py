@@ -13,6 +13,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "method_not_allowed": 405,
     "conflict": 409,
     "payload_too_large": 413,
+    "headers_too_large": 431,  # answered by vega.transport, before any request exists
     "invalid_input": 422,
     "rate_limited": 429,
     "queue_full": 429,

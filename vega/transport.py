@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
+import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
@@ -69,9 +70,39 @@ class JoinedWrites:
         return getattr(self._transport, name)
 
 
+# The most a request line and headers may take: httptools has no bound, and joins a long
+# header chunk by chunk (quadratic: 64 MiB held the loop 4 s).
+MAX_HEAD_BYTES = 64 * 1024
+HEAD_TOO_LARGE = orjson.dumps({"error": {
+    "code": "headers_too_large",
+    "message": f"request line and headers over {MAX_HEAD_BYTES} bytes"}})
+
+
 class OneWriteProtocol(HttpToolsProtocol):
-    """What ``vega serve`` gives uvicorn as its HTTP protocol (``uvicorn.Config(http=...)``)."""
+    """What ``vega serve`` gives uvicorn as its HTTP protocol (``uvicorn.Config(http=...)``),
+    which also refuses a request whose head passes ``MAX_HEAD_BYTES`` (431)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(cast(asyncio.Transport, JoinedWrites(
             cast(asyncio.Transport, transport))))
+        self._head_bytes = 0  # of a request whose headers are not all in yet; -1 once they are
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_bytes >= 0:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: application/json\r\nconnection: close\r\n"
+                b"content-length: " + str(len(HEAD_TOO_LARGE)).encode() + b"\r\n\r\n"
+                + HEAD_TOO_LARGE)
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+
+    def on_headers_complete(self) -> None:
+        self._head_bytes = -1
+        super().on_headers_complete()
