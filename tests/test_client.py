@@ -247,6 +247,14 @@ def test_wait_job_polls_until_done() -> None:
     assert {r.method for r in script.seen} == {"GET"}
 
 
+def test_a_retry_after_of_0_while_a_job_runs_is_neither_a_spin_nor_the_end() -> None:
+    running = httpx.Response(200, headers={"Retry-After": "0"}, json={
+        "id": "j1", "model": "m", "status": "running", "created_ms": 1})
+    client, script = scripted(running, running, job("done", outputs=[7.0], finished_ms=2))
+    assert client.wait_job("j1", timeout_s=5.0) == [7.0]
+    assert len(script.seen) == 3
+
+
 def test_jobs_that_fail_expire_or_outlast_the_timeout_raise() -> None:
     client, _ = scripted(job("failed", error={"code": "model_error", "message": "boom"}))
     with pytest.raises(JobFailedError) as failed:

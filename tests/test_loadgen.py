@@ -9,7 +9,8 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -336,26 +337,33 @@ class JobsContractDouble:
                                  Route("/v1/jobs/{id}", job, methods=["GET"])])
 
 
-async def test_bench_follows_jobs_to_their_end(tmp_path: Path) -> None:
+@asynccontextmanager
+async def serving(app: Any, sock: Path) -> AsyncIterator[None]:
+    """``app`` under uvicorn on the unix socket ``sock`` while the block runs."""
     import uvicorn
 
-    double = JobsContractDouble()
-    sock = tmp_path / "double.sock"
-    server = uvicorn.Server(uvicorn.Config(double.app(), uds=str(sock), lifespan="off",
+    server = uvicorn.Server(uvicorn.Config(app, uds=str(sock), lifespan="off",
                                            log_level="warning"))
-    serving = asyncio.ensure_future(server.serve())
+    task = asyncio.ensure_future(server.serve())
     try:
         while not server.started:
             await asyncio.sleep(0.01)
+        yield
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_bench_follows_jobs_to_their_end(tmp_path: Path) -> None:
+    double = JobsContractDouble()
+    sock = tmp_path / "double.sock"
+    async with serving(double.app(), sock):
         options = traffic.resolve({
             "url": "http://double", "uds": str(sock), "rate": 60.0, "duration_s": 1.0,
             "process": "constant", "seed": 3, "can_wait": 0.4, "job_ttl_s": 1.5,
             "drain_s": 0.5, "poll_s": 0, "metrics": False, "plots": False,
             "progress": False})
         report = await loadgen.bench(options)
-    finally:
-        server.should_exit = True
-        await serving
 
     waits = int(traffic.can_wait(60, 0.4, 3).sum())
     assert 0 < waits < 60
@@ -387,3 +395,29 @@ def test_job_paths_from_the_network_are_checked() -> None:
     assert job_path(b'{"id": "ok"}', b"/v1/jobs/a b") == "/v1/jobs/ok"
     assert job_path(b"not json", b"http://elsewhere/v1/jobs/1") is None
     assert job_path(b'{"id": 7}', None) is None
+
+
+async def test_a_target_whose_metrics_are_not_prometheus_text_still_gets_a_report(
+        tmp_path: Path) -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    async def infer(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({"outputs": [0.0]})
+
+    async def page(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok\n")  # a proxy's answer to every path, not metrics
+
+    app = Starlette(routes=[Route("/v1/infer", infer, methods=["POST"]),
+                            Route("/metrics", page), Route("/v1/status", page)])
+    sock = tmp_path / "proxy.sock"
+    async with serving(app, sock):
+        options = traffic.resolve({
+            "url": "http://proxy", "uds": str(sock), "rate": 50.0, "duration_s": 0.5,
+            "process": "constant", "seed": 1, "poll_s": 0, "plots": False,
+            "progress": False})
+        report = await loadgen.bench(options)
+    assert report["summary"]["counts_by_status"] == {"200": 25}

@@ -155,11 +155,12 @@ class JobPoll:
             raise JobFailedError(str(message or f"job {status}"), status=response.status_code,
                                  code=str(code or status), attempts=self.polls)
         hint = response.headers.get("retry-after")
-        wait = float(hint) if hint and hint.isdigit() else self.rng.uniform(
-            self.interval_s / 2, self.interval_s)
+        own = self.rng.uniform(self.interval_s / 2, self.interval_s)
+        # A hint of 0 (a proxy's) is no reason to poll at once, nor to give up.
+        wait = float(hint) if hint and hint.isdigit() and int(hint) > 0 else own
         self.interval_s = min(POLL_MAX_S, 1.5 * self.interval_s)
-        wait = min(wait, self.remaining_s() - self.min_attempt_s)
-        if wait <= 0:
+        left = self.remaining_s() - self.min_attempt_s
+        if left <= 0:
             raise DeadlineExceededError(f"job still {status} at the timeout "
                                         f"({self.polls} polls)", attempts=self.polls)
-        return wait
+        return min(wait, left)

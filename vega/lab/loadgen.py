@@ -102,7 +102,9 @@ async def read_metrics(target: Target) -> str | None:
         status, body = await http_get(target, "/metrics")
     except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError):
         return None
-    return body.decode(errors="replace") if status == 200 else None
+    text = body.decode(errors="replace")
+    # A target that is not Vega (a proxy's page) gets a report without the metrics parts.
+    return text if status == 200 and rep.prometheus_text(text) else None
 
 
 def batch_distributions(before: str | None, after: str | None

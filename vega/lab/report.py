@@ -272,6 +272,18 @@ def distribution(values: Iterable[float], bounds: Sequence[float]) -> Distributi
             "count": sum(counts), "sum": total}
 
 
+def prometheus_text(text: str) -> bool:
+    """Whether ``text`` reads as Prometheus's text format."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        for _family in text_string_to_metric_families(text):
+            pass
+    except (ValueError, IndexError, KeyError):
+        return False
+    return True
+
+
 def prometheus_histogram(text: str, name: str) -> Distribution | None:
     """Histogram ``name`` from Prometheus text, summed over its label sets."""
     from prometheus_client.parser import text_string_to_metric_families
