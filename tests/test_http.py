@@ -86,6 +86,7 @@ async def test_instances_are_answered_in_order(echo: httpx.AsyncClient) -> None:
     ({"inputs": [["a"] * 8]}, "invalid_input"),
     ({"inputs": [[True] * 8]}, "invalid_input"),
     ({"inputs": [[1e39] * 8]}, "invalid_input"),
+    (b'{"inputs": [[1e400, 0, 0, 0, 0, 0, 0, 0]]}', "invalid_input"),  # JSON, past a double
     ({"inputs": [[1.0] * 8, [1.0] * 7]}, "invalid_input"),
     ({"inputs": [[0.0] * 8] * 513}, "invalid_input"),
     ({"inputs": []}, "invalid_input"),

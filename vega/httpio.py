@@ -175,6 +175,8 @@ def parse_json(body: bytes) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("number is infinity"):  # JSON, but past a double: a value
+            raise VegaError("invalid_input", f"a number too large: {exc}") from None
         raise VegaError("invalid_json", f"body is not JSON: {exc}") from None
 
 
