@@ -108,11 +108,12 @@ async def test_critical_refused_before_its_body_is_read_is_counted_as_critical(
         vega: Callable[..., VegaProcess]) -> None:
     # The class only in the body: a full queue refuses it unread, and it still counts as
     # critical (the VegaCriticalRefused alert reads that label), not as the header's default.
-    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="200",
+    # A batch of one a second: the queue stays full for seconds, however loaded the host.
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="1000",
                   VEGA_QUEUE_CAPACITY="4", VEGA_MAX_BATCH_SIZE="1",
                   VEGA_DEFAULT_DEADLINE_MS="30000", VEGA_CODEL_INTERVAL_MS="30000")
     body = orjson.dumps({"inputs": window(16), "priority": "critical"})
-    filling = asyncio.create_task(fire(server.url, [body] * 8))
+    filling = asyncio.create_task(fire(server.url, [body] * 12))
 
     def full() -> bool:
         depth = httpx.get(server.url + "/v1/status", timeout=5).json()["models"]["echo"]["depth"]
