@@ -104,28 +104,6 @@ async def test_sheddable_goes_first_and_critical_keeps_headroom(
     assert sheddable["ok"] / 120 <= normal["ok"] / 60, seen
 
 
-async def test_critical_refused_before_its_body_is_read_is_counted_as_critical(
-        vega: Callable[..., VegaProcess]) -> None:
-    # The class only in the body: a full queue refuses it unread, and it still counts as
-    # critical (the VegaCriticalRefused alert reads that label), not as the header's default.
-    # A batch of one a second: the queue stays full for seconds, however loaded the host.
-    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="1000",
-                  VEGA_QUEUE_CAPACITY="4", VEGA_MAX_BATCH_SIZE="1",
-                  VEGA_DEFAULT_DEADLINE_MS="30000", VEGA_CODEL_INTERVAL_MS="30000")
-    body = orjson.dumps({"inputs": window(16), "priority": "critical"})
-    filling = asyncio.create_task(fire(server.url, [body] * 12))
-
-    def full() -> bool:
-        depth = httpx.get(server.url + "/v1/status", timeout=5).json()["models"]["echo"]["depth"]
-        return sum(int(n) for n in depth.values()) >= 4
-    await asyncio.to_thread(wait_until, full, 30, "a full queue")
-    seen = codes(await fire(server.url, [body] * 10))  # refused before their bodies are read
-    seen += codes(await filling)
-    assert seen["queue_full"] >= 10, seen
-    assert metric(server, "vega_rejections_total", priority="critical") == seen["queue_full"]
-    assert metric(server, "vega_rejections_total", priority="normal") == 0
-
-
 def test_token_bucket_rate_limits_with_retry_after(vega: Callable[..., VegaProcess]) -> None:
     server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_RATE_LIMIT="2", VEGA_BURST="4")
     answers = [httpx.post(server.url + "/v1/infer", content=BODY, timeout=10) for _ in range(8)]
