@@ -396,6 +396,23 @@ def test_a_hung_model_process_is_killed_after_the_timeout_and_restarted(
     assert infer(proc.url).status_code == 200
 
 
+def test_a_hung_batch_turns_the_process_not_ready_until_it_ends(
+        vega: Callable[..., VegaProcess]) -> None:
+    # The batch sleeps 8 s, predicted at a millisecond: hung after 2 s, long before
+    # VEGA_MODEL_TIMEOUT_S (30 s) would kill it. Meanwhile Nginx gets 503s, which it
+    # retries on another process, not 429s.
+    proc = vega(VEGA_MODEL=ECHO, VEGA_EXECUTOR="process", TEST_HANG_MS="8000")
+    assert infer(proc.url).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        hanging = pool.submit(infer, proc.url, -FAIL_MARK, 20_000)
+        wait_until(lambda: not ready(proc), 10, "not ready while the batch hangs")
+        refused = infer(proc.url)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+        assert hanging.result(timeout=30).status_code == 200  # it ended, late: answered
+    wait_until(lambda: ready(proc), 10, "ready once it ended")
+    assert infer(proc.url).status_code == 200
+
+
 def test_requests_while_the_model_process_restarts_get_503_not_ready(
         echo_process: Callable[..., VegaProcess]) -> None:
     proc = echo_process(TEST_LOAD_SLEEP_MS="3000")  # a slow warm-up, after the first too

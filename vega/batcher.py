@@ -42,6 +42,9 @@ FORM_AHEAD = 0.3
 FORM_AHEAD_MIN_S = 0.002
 FORM_AHEAD_DEEP_S = 0.004
 SWEEP_S = 0.005  # how often the queue's heads are checked against their deadlines
+# A batch this many times its predicted run past its predicted end, and this long at
+# least, is hung: the process turns not-ready until it ends (stalled).
+STALL_FACTOR, STALL_MIN_S = 10.0, 2.0
 
 INLINE, JOBS = slice(0, JOB), slice(JOB, JOB + 1)
 
@@ -347,6 +350,11 @@ class Batcher(Queues):
         lane, depth = self._lane()
         cap = self._job_cap(bucket) if lane is JOBS else self.config.max_batch_size
         return shares(bucket, depth, cap, self.times.predict)
+
+    def stalled(self, now: float) -> bool:
+        """A batch in flight is far past its predicted end (STALL_FACTOR times its run, and
+        STALL_MIN_S at least): its model is hung, long before VEGA_MODEL_TIMEOUT_S kills it."""
+        return self._inflight.overdue(now, STALL_FACTOR, STALL_MIN_S)
 
     def job_items_per_s(self) -> float:
         """Job items run per second of a free thread's time: the measured service rate,

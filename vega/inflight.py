@@ -57,6 +57,12 @@ class Inflight:
             if other_start >= end:
                 self._runs[other] = (other_start + shift, other_end + shift)
 
+    def overdue(self, now: float, factor: float, least_s: float) -> bool:
+        """Whether a batch is past its predicted end by ``factor`` times its predicted run,
+        and by ``least_s`` at least: a model that hangs, not one running slow."""
+        return any(now - end > max(least_s, factor * (end - start))
+                   for start, end in self._runs.values())
+
     def freeing_run(self) -> Run | None:
         """Predicted run of the batch whose end frees a thread for one more; None: one is free."""
         queued = len(self._runs) - self.parallelism

@@ -185,8 +185,9 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
-        """Warm, and a model process is up to run batches (while one restarts, not)."""
-        return self._warm and self.executor.available
+        """Warm, a model process up, no batch hung: else 503s, which Nginx retries elsewhere."""
+        return self._warm and self.executor.available and not any(
+            s.batcher.stalled(asyncio.get_running_loop().time()) for s in self.models.values())
 
     async def drain(self) -> None:
         """Stop admitting (503 draining) and wait for admitted work, bounded by the timeout."""
@@ -237,7 +238,7 @@ class Runtime:
             retry = max(1000.0, *(s.admission.retry_after_ms() for s in self.models.values()))
             raise VegaError("draining", "this process is shutting down", retry_after_ms=retry)
         if not self.ready:
-            why = "is still warming up" if not self._warm else "has its model process restarting"
+            why = "is still warming up" if not self._warm else "has no model that can run a batch"
             raise VegaError("not_ready", f"this process {why}", retry_after_ms=1000.0)
 
     def gate(self, model: str, claimed: int | None) -> None:
@@ -250,8 +251,7 @@ class Runtime:
             served.admission.precheck(claimed)
 
     async def infer(self, model: str, instances: list[Any], priority: int,
-                    deadline_ms: float,
-                    gone: Callable[[], bool] | None = None) -> Answer:
+                    deadline_ms: float, gone: Callable[[], bool] | None = None) -> Answer:
         """Admit, queue and await ``instances`` of a model past ``gate``; raise VegaError
         or ClientGone.
 

@@ -248,6 +248,18 @@ async def test_the_lateness_of_batch_ends_is_forgotten_after_a_few_batches() -> 
     assert inflight.late_s == 0.0
 
 
+def test_a_batch_is_overdue_only_far_past_its_predicted_end() -> None:
+    inflight = Inflight(parallelism=1)
+    short, long_ = object(), object()
+    inflight.add(short, now=0.0, run_s=0.01)  # predicted to end at 0.01
+    assert not inflight.overdue(1.9, factor=10, least_s=2.0)  # slow, not hung
+    assert inflight.overdue(2.1, factor=10, least_s=2.0)
+    inflight.remove(short, now=2.1)
+    inflight.add(long_, now=0.0, run_s=0.5)  # a long batch gets ten times its run: 5 s
+    assert not inflight.overdue(5.4, factor=10, least_s=2.0)
+    assert inflight.overdue(5.6, factor=10, least_s=2.0)
+
+
 def test_a_batch_queued_behind_one_seen_late_starts_when_that_one_ended() -> None:
     def schedule(ended_at: float | None) -> Inflight:
         inflight = Inflight(parallelism=1)
