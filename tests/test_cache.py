@@ -75,6 +75,18 @@ def test_a_cache_turned_on_that_covers_no_model_is_warned_about(
     assert "VEGA_CACHE_MODELS=dte names none of det" in caplog.text
 
 
+def stored_in(server: RedisServer, model: str) -> int:
+    """Wait for a cache entry of ``model`` in Redis (written after the answer); its TTL, ms."""
+    client = redis.Redis.from_url(server.url)
+    try:
+        pattern = f"vega:{{{model}}}:cache:*"
+        wait_until(lambda: client.keys(pattern), 5, f"a cache entry of {model} in Redis")
+        ttl: int = client.pttl(client.keys(pattern)[0])
+        return ttl
+    finally:
+        client.close()
+
+
 def test_a_hit_skips_the_model_and_returns_the_same_bytes(
         vega: Callable[..., VegaProcess], tmp_path: Path) -> None:
     log = str(tmp_path / "forwards")
@@ -120,13 +132,8 @@ def test_the_redis_tier_shares_hits_between_processes(
     body = orjson.dumps({"inputs": window(4, 0.75)})
     first = httpx.post(a.url + "/v1/infer", content=body)
     assert first.headers["x-vega-cache"] == "miss"
-    client = redis.Redis.from_url(redis_server.url)
-    try:
-        wait_until(lambda: client.keys("vega:{echo}:cache:*"), 5, "the cache entry in Redis")
-        ttl = client.pttl(client.keys("vega:{echo}:cache:*")[0])
-        assert isinstance(ttl, int) and 0 < ttl <= 60_000
-    finally:
-        client.close()
+    ttl = stored_in(redis_server, "echo")
+    assert isinstance(ttl, int) and 0 < ttl <= 60_000
     second = httpx.post(b.url + "/v1/infer", content=body)
     assert second.headers["x-vega-cache"] == "hit" and second.content == first.content
     assert [forwarded(log) for log in logs] == [base[0] + 1, base[1]]
@@ -142,11 +149,7 @@ def test_new_weights_under_the_same_version_share_no_answers(
     body = orjson.dumps({"inputs": window(4, 0.75)})
     first = httpx.post(old.url + "/v1/infer", content=body)
     assert first.headers["x-vega-cache"] == "miss"
-    client = redis.Redis.from_url(redis_server.url)
-    try:
-        wait_until(lambda: client.keys("vega:{redeployed}:cache:*"), 5, "the entry in Redis")
-    finally:
-        client.close()
+    stored_in(redis_server, "redeployed")
     redeployed = httpx.post(new.url + "/v1/infer", content=body)
     assert redeployed.headers["x-vega-cache"] == "miss"  # its own weights' answer
     assert redeployed.json()["outputs"] != first.json()["outputs"]

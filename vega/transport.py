@@ -16,6 +16,8 @@ from typing import Any, cast
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from vega.errors import VegaError
+
 
 class JoinedWrites:
     """A transport that holds writes until the loop's next turn, then writes them as one.
@@ -73,9 +75,8 @@ class JoinedWrites:
 # The most a request line and headers may take: httptools has no bound, and joins a long
 # header chunk by chunk (quadratic: 64 MiB held the loop 4 s).
 MAX_HEAD_BYTES = 64 * 1024
-HEAD_TOO_LARGE = orjson.dumps({"error": {
-    "code": "headers_too_large",
-    "message": f"request line and headers over {MAX_HEAD_BYTES} bytes"}})
+HEAD_TOO_LARGE = orjson.dumps(VegaError(
+    "headers_too_large", f"request line and headers over {MAX_HEAD_BYTES} bytes").body())
 
 
 class OneWriteProtocol(HttpToolsProtocol):
