@@ -59,12 +59,20 @@ def test_precedence_defaults_env_file_environment_flags(tmp_path: Path) -> None:
     ({"VEGA_AUTH_TOKENS": ","}, "VEGA_AUTH_TOKENS"),  # would leave the API open
     ({"VEGA_AUTH_TOKENS": "alpha,,beta"}, "VEGA_AUTH_TOKENS"),
     ({"VEGA_AUTH_TOKENS": "gam ma"}, "VEGA_AUTH_TOKENS"),  # no Bearer header could carry it
+    ({"VEGA_HOST": ""}, "VEGA_HOST=''"),  # uvicorn would listen on every interface
+    ({"VEGA_HOST": "my host"}, "VEGA_HOST='my host'"),
+    ({"VEGA_HOST": "10.0.0.1:80"}, "VEGA_HOST='10.0.0.1:80'"),  # the port is VEGA_PORT
 ])
 def test_bad_values_name_the_setting_and_what_is_allowed(env: dict[str, str], named: str) -> None:
     with pytest.raises(ConfigError) as caught:
         load_settings(environ=env)
     assert named in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::1", "localhost", "infer-3.lan."])
+def test_host_takes_an_address_or_a_host_name(host: str) -> None:
+    assert load_settings(environ={"VEGA_HOST": f" {host}"}).host == host
 
 
 def test_model_cpus_read_as_a_cpu_list() -> None:

@@ -7,6 +7,7 @@ model with two inputs (INT64 and BYTES), which no built-in model has.
 from __future__ import annotations
 
 import gzip
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -155,8 +156,10 @@ def test_priority_level_maps_to_a_class(sensor: VegaProcess,
 
 
 def test_statistics_count_what_was_served(client: triton.InferenceServerClient) -> None:
+    before_ms = int(time.time() * 1000)
     v2_infer(client, windows(2), binary=True)
     (one,) = client.get_inference_statistics("sensor")["model_stats"]
+    assert before_ms <= int(one["last_inference"]) <= time.time() * 1000  # epoch ms
     assert one["name"] == "sensor" and one["inference_stats"]["success"]["count"] >= 1
     assert one["inference_count"] >= 2 and one["execution_count"] >= 1
     assert one["inference_stats"]["compute_infer"]["ns"] > 0

@@ -8,6 +8,7 @@ is read off those fields. The result is one frozen ``Settings`` object built at 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 import re
@@ -75,6 +76,22 @@ def _choice(*options: str) -> Parser:
 
 def _text(raw: str) -> str:
     return raw.strip()
+
+
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # one part of a host name
+_HOSTNAME = re.compile(rf"{_LABEL}(\.{_LABEL})*\.?")
+
+
+def _host(raw: str) -> str:
+    """An IP address or a host name; never empty, which uvicorn would take as every
+    interface."""
+    value = raw.strip()
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if len(value) > 253 or not _HOSTNAME.fullmatch(value):
+            raise
+    return value
 
 
 def _tokens(raw: str) -> str:
@@ -168,7 +185,8 @@ class Settings:
     """Every setting, declared once: ``VEGA_<NAME>``, ``--<name>`` and conf/vega.env come
     from these fields."""
 
-    host: str = setting("127.0.0.1", _text, "an address", "Address to listen on.")
+    host: str = setting("127.0.0.1", _host, "an IP address or a host name",
+        "Address to listen on (0.0.0.0 or :: for every interface).")
     port: int = setting("8000", _int(0, 65535), "an integer 0-65535",
         "TCP port (0 = any free port).")
     uds: str = setting("", _text, "a path or empty",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -22,6 +24,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self._answers: dict[tuple[str, str, str], tuple[Count, Count | None, Spread]] = {}
+        self.last_batch_ms: dict[str, int] = {}  # wall clock, per model (/v2 statistics)
         # Those counted once per request or batch are kept by the loop (vega/tallies.py).
         self.requests = LoopCounter("vega_requests_total", "Requests answered, by outcome",
                                     ["model", "priority", "outcome"], r)
@@ -160,6 +163,7 @@ class Metrics:
     def observe_batch(self, batch: Batch) -> None:
         """Once per finished batch: sizes, padding, inference and queue waits."""
         model = batch.model
+        self.last_batch_ms[model] = int(time.time() * 1000)
         self.batch_size.labels(model).observe(batch.size)
         self.padding.labels(model).observe(batch.padding_ratio)
         self.batch_steps.labels(model).inc(batch.steps)

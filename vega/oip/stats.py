@@ -38,7 +38,8 @@ def model_stats(metrics: Metrics, adapter: ModelAdapter) -> dict[str, Any]:
     stats["queue"] = {"count": int(queue["_count"]), "ns": _ns(queue["_sum"])}
     stats["compute_infer"] = {"count": int(infer["_count"]), "ns": _ns(infer["_sum"])}
     return {
-        "name": name, "version": adapter.version, "last_inference": 0,
+        "name": name, "version": adapter.version,
+        "last_inference": metrics.last_batch_ms.get(name, 0),  # epoch ms
         "inference_count": int(batches["_sum"]), "execution_count": int(batches["_count"]),
         "inference_stats": stats, "batch_stats": [],
     }
