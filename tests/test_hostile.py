@@ -113,6 +113,22 @@ def test_a_header_without_end_is_431_once_the_head_passes_64_kib(server: VegaPro
     assert b'"code":"headers_too_large"' in reply
 
 
+@pytest.mark.parametrize("headers", [
+    b"X-Big: " + b"a" * 70_000 + b"\r\n",  # one header, a whole head in one write
+    b"".join(b"X-H%d: " % n + b"b" * 1000 + b"\r\n" for n in range(80)),  # many of them
+])
+def test_a_whole_request_with_a_head_over_64_kib_is_431(
+        server: VegaProcess, headers: bytes) -> None:
+    body = orjson.dumps({"inputs": window(8)})
+    request = (b"POST /v1/infer HTTP/1.1\r\nHost: x\r\n" + headers
+               + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(request)
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
+    assert b'"code":"headers_too_large"' in reply
+
+
 def test_still_serving_after_all_that(client: httpx.Client, server: VegaProcess) -> None:
     assert client.post("/v1/infer", content=orjson.dumps({"inputs": window(8)})).status_code == 200
     # No hostile body reached the model and made it fail (labels are sorted, so match the

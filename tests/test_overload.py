@@ -46,6 +46,13 @@ async def admitted(server: VegaProcess, count: int, timeout_s: float = 30) -> No
             await asyncio.sleep(0.02)
 
 
+def listening(server: VegaProcess) -> bool:
+    try:
+        return httpx.get(server.url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def codes(responses: list[httpx.Response | Exception]) -> Counter[str]:
     out: Counter[str] = Counter()
     for r in responses:
@@ -104,6 +111,23 @@ async def test_sheddable_goes_first_and_critical_keeps_headroom(
     assert sheddable["ok"] / 120 <= normal["ok"] / 60, seen
 
 
+async def test_a_model_slower_than_the_interval_serves_callers_queued_behind_its_batch(
+        vega: Callable[..., VegaProcess]) -> None:
+    # Batches of 300 ms against the default 100-ms CoDel interval, default deadlines and
+    # class: callers that arrive while a batch runs wait it out and are served, not shed
+    # as a standing queue (nothing is overloaded). One bucket: what warm-up picks anyway.
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="300",
+                  VEGA_LENGTH_BUCKETS="512")
+    first = asyncio.create_task(fire(server.url, [BODY]))
+
+    def running() -> bool:
+        status = httpx.get(server.url + "/v1/status", timeout=5).json()
+        return bool(status["models"]["echo"]["inflight_batches"])
+    await asyncio.to_thread(wait_until, running, 30, "the first batch running")
+    behind = await fire(server.url, [BODY] * 2)
+    assert codes(behind + await first) == {"ok": 3}
+
+
 def test_token_bucket_rate_limits_with_retry_after(vega: Callable[..., VegaProcess]) -> None:
     server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_RATE_LIMIT="2", VEGA_BURST="4")
     answers = [httpx.post(server.url + "/v1/infer", content=BODY, timeout=10) for _ in range(8)]
@@ -116,13 +140,7 @@ def test_token_bucket_rate_limits_with_retry_after(vega: Callable[..., VegaProce
 def test_not_ready_while_warming_up(vega: Callable[..., VegaProcess]) -> None:
     server = vega(wait_ready=False, VEGA_MODEL="python:tests.models:echo",
                   TEST_LOAD_SLEEP_MS="4000")
-
-    def listening() -> bool:
-        try:
-            return httpx.get(server.url + "/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-    wait_until(listening, 60, "vega to listen")
+    wait_until(lambda: listening(server), 60, "vega to listen")
     ready = httpx.get(server.url + "/readyz")
     assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
     refused = httpx.post(server.url + "/v1/infer", content=BODY)
@@ -173,6 +191,47 @@ async def test_drain_on_sigterm_answers_everything_admitted(
     assert seen == Counter(ok=40), seen
     assert server.proc is not None
     assert await asyncio.to_thread(server.proc.wait, 30) == 0
+
+
+async def test_a_drain_that_runs_out_answers_what_never_began_503(
+        vega: Callable[..., VegaProcess]) -> None:
+    # Six seconds of work admitted, a drain of one: what is still queued when the drain
+    # runs out gets 503 `draining` in JSON (never began: Nginx may send it elsewhere),
+    # not uvicorn's plain 500 when it cuts the connections.
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="500",
+                  VEGA_MAX_BATCH_SIZE="1", VEGA_DRAIN_TIMEOUT_S="1",
+                  VEGA_CODEL_INTERVAL_MS="60000")
+    body = orjson.dumps({"inputs": window(16), "deadline_ms": 30000})
+    load = asyncio.create_task(fire(server.url, [body] * 12))
+    await admitted(server, 12)
+    server.signal(signal.SIGTERM)
+    seen = codes(await load)
+    assert seen["draining"] >= 1 and seen["ok"] + seen["draining"] == 12, seen
+    assert server.proc is not None
+    assert await asyncio.to_thread(server.proc.wait, 30) == 0
+
+
+def test_a_model_hung_in_its_thread_does_not_hold_the_stop(
+        vega: Callable[..., VegaProcess]) -> None:
+    server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_EXECUTOR="thread",
+                  TEST_HANG_MS="600000", VEGA_DRAIN_TIMEOUT_S="1", VEGA_WARMUP_BATCHES="1")
+    hang = orjson.dumps({"inputs": [[-666.0] + [0.0] * 7], "deadline_ms": 500})
+    answer = httpx.post(server.url + "/v1/infer", content=hang, timeout=30)
+    assert answer.status_code == 504
+    server.signal(signal.SIGTERM)
+    # The drain (1 s), uvicorn's grace (2 s), the executor's wait (2 s); then it exits
+    # without the thread, which the interpreter would wait for forever.
+    assert server.proc is not None and server.proc.wait(30) == 0
+    assert "exiting without it" in server.log()
+
+
+def test_sigterm_during_warm_up_stops_at_the_next_shape(vega: Callable[..., VegaProcess]) -> None:
+    # A warm-up of about two minutes (one second a batch): the stop does not wait for it.
+    server = vega(wait_ready=False, VEGA_MODEL="python:tests.models:echo",
+                  VEGA_EXECUTOR="thread", TEST_SLEEP_MS="1000")
+    wait_until(lambda: listening(server) and "warming up" in server.log(), 60, "warm-up")
+    server.signal(signal.SIGTERM)
+    assert server.proc is not None and server.proc.wait(30) == 0
 
 
 def test_disconnected_caller_is_dropped_before_dispatch(vega: Callable[..., VegaProcess]) -> None:

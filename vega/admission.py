@@ -174,7 +174,7 @@ class Admission:
                          batches * batcher.times.predict(longest, size))
             reason = "sustained overload: queue kept short"
         else:
-            target = batcher.config.standing_after_s
+            target = batcher.standing_after_s
             reason = "queue holds as much work as it may buffer"
         if ahead_s > target:
             code = "shed" if priority == SHEDDABLE else "queue_full"

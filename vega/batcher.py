@@ -289,7 +289,7 @@ class Batcher(Queues):
             if idle or due or (not hold and ready_at <= now):
                 # A bucket that waited an interval ranks at the top class: by class alone, one
                 # seldom holding a critical item waited behind those that do to its deadline.
-                top = CRITICAL if now - oldest > self.config.standing_after_s else next(
+                top = CRITICAL if now - oldest > self.standing_after_s else next(
                     p for p, item in enumerate(heads) if item is not None)
                 ranked = idle or (partial_ahead and not full)  # full ones first, oldest first
                 key = (top, self._urgency(bucket, oldest, now) if ranked else (0, oldest))
@@ -308,7 +308,7 @@ class Batcher(Queues):
         before a standing queue would shed it), goes before those, oldest first.
         """
         size = self.config.max_batch_size
-        overdue_s = min(2 * self.times.predict(bucket, size), self.config.standing_after_s / 4)
+        overdue_s = min(2 * self.times.predict(bucket, size), self.standing_after_s / 4)
         if now - oldest > overdue_s:
             return (0, oldest)
         shares = self._shares(bucket)
@@ -319,7 +319,7 @@ class Batcher(Queues):
     def _form(self, bucket: int, now: float) -> Batch:
         behind = self.behind(now)
         if behind:
-            self.shed_waited(bucket, now - self.config.standing_after_s,
+            self.shed_waited(bucket, now - self.standing_after_s,
                              lambda: self._shed(now))
         lifo = self.newest_first(now)
         shares = self._shares(bucket)
@@ -403,7 +403,7 @@ class Batcher(Queues):
         if item.deadline <= finish:
             return missed_deadline(item.deadline, now, self.backlog_s())
         if behind and item.priority != CRITICAL and \
-                now - item.enqueued_at > self.config.standing_after_s:
+                now - item.enqueued_at > self.standing_after_s:
             return self._shed(now)
         return None
 
@@ -440,6 +440,7 @@ class Batcher(Queues):
             self.batch_steps += batch.steps
             self.padded_steps += batch.padded_steps
             self.times.observe(batch.bucket, batch.size, batch.infer_s)
+            self.fit_interval(batch.infer_s)
             self.rate.observe(batch.size, sum(item.cost for item in batch.items), batch.infer_s)
         self._released(batch)  # measured first: the next batch is predicted with it
 

@@ -120,8 +120,13 @@ def serve(settings: Settings) -> int:
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **options)
     server = DrainingServer(config, runtime)
     server.run()
-    failed = not server.started or runtime.failed is not None
-    return EXIT_STARTUP if failed else 0
+    code = EXIT_STARTUP if not server.started or runtime.failed is not None else 0
+    if runtime.executor.hung:  # the interpreter would wait for its thread at exit
+        log.warning("a model thread is still in a batch (a hung model): exiting without it")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 def warn_oversubscribed(settings: Settings) -> None:

@@ -265,7 +265,7 @@ class Settings:
         "Non-critical items join the queue only while the work ahead of them is "
         "under this; a queue that has not emptied for this long is a standing queue, and "
         "while no batch in it took every item of its buckets, serve newest first and refuse "
-        "non-critical items older than this.")
+        "non-critical items older than this (two batch times where those are longer).")
     codel_target_ms: float = setting("5", _float(0), "a number >= 0",
         "Under a standing queue, non-critical items join only while the work ahead is "
         "below this (or one full batch where one length bucket is queued, two where several "

@@ -76,3 +76,21 @@ def missed_deadline(deadline: float, now: float, retry_after_s: float,
 
 def invalid_input(message: str) -> VegaError:
     return VegaError("invalid_input", message)
+
+
+def drain_ran_out() -> VegaError:
+    """For an item still queued when the drain's time is up: it never began."""
+    return VegaError("draining", "this process is shutting down: its drain ran out before "
+                     "this request's batch began", retry_after_ms=1000.0)
+
+
+def reraisable(error: BaseException | None) -> VegaError:
+    """A new exception to raise for the one an item's future holds.
+
+    Raising the held one would hang this request's frames on its traceback, and the
+    frames hold the items, whose futures hold it: a cycle per refused request that only
+    the collector frees, after it has reached the oldest generation.
+    """
+    if isinstance(error, VegaError):
+        return VegaError(error.code, error.message, error.retry_after_ms)
+    return VegaError("model_error", f"internal error: {type(error).__name__}")

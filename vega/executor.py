@@ -39,6 +39,8 @@ from vega.models import ModelAdapter, holds_the_gil
 from vega.models.loader import ModelLoadError
 from vega.records import Batch
 
+STOP_WAIT_S = 2.0  # at a stop, how long a batch still running may take to end
+
 log = logging.getLogger("vega.executor")
 
 
@@ -126,6 +128,7 @@ class Executor:
         self._torch_threads = torch_threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vega-exec",
                                         initializer=self._init_thread)
+        self._workers: list[threading.Thread] = []  # the pool's, as each starts
         self._running = 0
         self.threads = threads
         self.busy_s = 0.0  # time the models spent on batches so far (utilisation = its rate)
@@ -184,6 +187,7 @@ class Executor:
         return sum(process.restarts for process in self.processes)
 
     def _init_thread(self) -> None:
+        self._workers.append(threading.current_thread())
         if self._torch_threads:
             import torch
 
@@ -310,9 +314,20 @@ class Executor:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for process in self.processes:
-            process.close()
+        """End the threads and model processes, waiting STOP_WAIT_S at most for a batch
+        still running: a thread still in one after that (a hung model) is left behind
+        (``hung``), and the server exits without it."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        end = time.monotonic() + STOP_WAIT_S
+        for process in self.processes:  # first: a thread waiting on one is let go
+            process.close(grace_s=max(0.0, end - time.monotonic()))
+        for worker in self._workers:
+            worker.join(max(0.0, end - time.monotonic()))
+
+    @property
+    def hung(self) -> bool:
+        """A worker thread is still in a batch after ``shutdown``."""
+        return any(worker.is_alive() for worker in self._workers)
 
 
 def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | None,

@@ -18,9 +18,19 @@ from collections.abc import Callable
 from vega.records import CLASS_NAMES, CRITICAL, JOB, Item
 
 
+# The interval is at least this many batch times (a moving mean of those served, with
+# this weight each): a queue cannot empty more often than its batches end, nor an item
+# wait less than the batch running ahead of it. A model slower than the configured
+# interval would otherwise find every queue standing and shed what it had admitted.
+INTERVAL_BATCHES = 2
+BATCH_TIME_WEIGHT = 0.1
+
+
 class Queues:
     def __init__(self, buckets: int, standing_after_s: float) -> None:
-        self.standing_after_s = standing_after_s  # the CoDel interval (DESIGN.md rule 5)
+        self.interval_s = standing_after_s  # VEGA_CODEL_INTERVAL_MS (DESIGN.md rule 5)
+        self.standing_after_s = standing_after_s  # the interval in force (fit_interval)
+        self._batch_s = 0.0
         self._queues = [[deque[Item]() for _ in CLASS_NAMES] for _ in range(buckets)]
         self._bucket_depth = [0] * buckets  # inline items only
         self._job_bucket_depth = [0] * buckets
@@ -38,6 +48,12 @@ class Queues:
     def depth(self, priority: int | None = None) -> int:
         """Items queued of ``priority``, or of every inline class (job items apart)."""
         return sum(self._depth[:JOB]) if priority is None else self._depth[priority]
+
+    def fit_interval(self, batch_s: float, weight: float = BATCH_TIME_WEIGHT) -> None:
+        """A batch took ``batch_s``: the interval in force is the configured one, or
+        INTERVAL_BATCHES batch times where those are longer."""
+        self._batch_s += weight * (batch_s - self._batch_s)
+        self.standing_after_s = max(self.interval_s, INTERVAL_BATCHES * self._batch_s)
 
     def standing(self, now: float) -> bool:
         """The queue has not emptied for an interval (rule 5): admission keeps it short."""
@@ -109,6 +125,19 @@ class Queues:
                     self._count(item, -1)
                     item.future.set_exception(refusal(item))
         return next_at
+
+    def refuse_queued(self, refusal: Callable[[], BaseException]) -> int:
+        """Answer ``refusal()`` to every item still queued, job items included (a stop that
+        could wait no longer: none of them began); return how many."""
+        refused = 0
+        for queues in self._queues:
+            for queue in queues:
+                while (item := first_live(queue)) is not None:
+                    queue.popleft()
+                    self._count(item, -1)
+                    item.future.set_exception(refusal())
+                    refused += 1
+        return refused
 
     def shed_waited(self, bucket: int, since: float, refusal: Callable[[], BaseException]
                     ) -> None:

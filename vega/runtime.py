@@ -18,7 +18,7 @@ from typing import Any
 from vega.admission import Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
 from vega.config import Settings
-from vega.errors import REFUSALS, VegaError
+from vega.errors import REFUSALS, VegaError, drain_ran_out, reraisable
 from vega.executor import Executor, pick_device, process_plan
 from vega.jobs.lane import JobLane
 from vega.metrics import Metrics
@@ -89,6 +89,7 @@ class Runtime:
         # Called once the start has finished: with None when ready, else with the error.
         self.on_start: list[Callable[[BaseException | None], None]] = []
         self._starting: asyncio.Task[None] | None = None
+        self._stopping = False
         self.active_requests = 0
         self._quiet = asyncio.Event()
         self._quiet.set()
@@ -178,9 +179,13 @@ class Runtime:
     def _warm_up(self, adapter: ModelAdapter, batcher: Batcher) -> None:
         """Run each (bucket, size) shape; the timed passes seed the batch-time predictor."""
         def measure(bound: int, size: int) -> float:
+            if self._stopping:  # a thread cannot be cancelled: it stops at the next shape
+                raise VegaError("draining", "stopped during warm-up")
             samples = [adapter.example(bound)] * size
             return self.executor.run_sync(adapter.name, samples, bound)[1]
 
+        log.info("model %s: warming up (every batch shape, %d timed pass(es))", adapter.name,
+                 self.settings.warmup_batches)
         seed_batch_times(batcher, self.settings.warmup_batches, measure)
 
     @property
@@ -199,7 +204,11 @@ class Runtime:
         try:
             await asyncio.wait_for(self._until_quiet(), self.settings.drain_timeout_s)
         except TimeoutError:
-            log.warning("drain timeout: %d request(s) still open", self.active_requests)
+            # What never began is answered 503 now (Nginx may send it elsewhere) rather
+            # than cut off with the connection; a batch still running has until the stop.
+            refused = sum(s.batcher.refuse_queued(drain_ran_out) for s in self.models.values())
+            log.warning("drain timeout: %d request(s) still open; %d queued item(s) refused",
+                        self.active_requests, refused)
 
     async def _until_quiet(self) -> None:
         for served in self.models.values():
@@ -207,7 +216,7 @@ class Runtime:
         await self._quiet.wait()
 
     async def stop(self) -> None:
-        self._warm = False
+        self._warm, self._stopping = False, True
         if self._capacity_task is not None:
             self._capacity_task.cancel()
             await asyncio.gather(self._capacity_task, return_exceptions=True)
@@ -401,7 +410,7 @@ async def _await_items(items: list[Item], deadline: float) -> Answer:
                                      asyncio.gather(*(item.future for item in items)))
     # Woken by the answer or the deadline, whichever comes first, without the sets and
     # callbacks asyncio.wait builds per call. The waiter never holds the answer's
-    # exception, so no traceback of this frame ends up on it (see _as_vega_error).
+    # exception, so no traceback of this frame ends up on it (see errors.reraisable).
     waiter: asyncio.Future[None] = loop.create_future()
     answered.add_done_callback(functools.partial(_wake, waiter))
     timer = loop.call_at(deadline, _wake, waiter, None)
@@ -412,7 +421,7 @@ async def _await_items(items: list[Item], deadline: float) -> Answer:
                 raise ClientGone()  # only a hung-up caller's items are cancelled (Item.live)
         for item in items:  # the first failure in request order is the answer
             if item.future.done() and item.future.exception():
-                raise _as_vega_error(item.future.exception())
+                raise reraisable(item.future.exception())
         if not answered.done():
             raise VegaError("deadline_exceeded", "deadline passed before the answer was ready")
         outputs, queue_s, infer_s = [], 0.0, 0.0
@@ -434,18 +443,6 @@ async def _await_items(items: list[Item], deadline: float) -> Answer:
 def _wake(waiter: asyncio.Future[None], _done: object) -> None:
     if not waiter.done():
         waiter.set_result(None)
-
-
-def _as_vega_error(error: BaseException | None) -> VegaError:
-    """A new exception to raise for the one an item's future holds.
-
-    Raising the held one would hang this request's frames on its traceback, and the
-    frames hold the items, whose futures hold it: a cycle per refused request that only
-    the collector frees, after it has reached the oldest generation.
-    """
-    if isinstance(error, VegaError):
-        return VegaError(error.code, error.message, error.retry_after_ms)
-    return VegaError("model_error", f"internal error: {type(error).__name__}")
 
 
 def _length_hint(instance: Any) -> int:

@@ -66,6 +66,7 @@ class Reporter:
                 "backlog_ms": round(1000 * b.backlog_s(), 2),
                 "batch_time_drift": round(b.times.drift, 3),  # recent batches vs their lines
                 "standing_queue": b.standing(now),
+                "queue_interval_ms": round(1000 * b.standing_after_s, 1),  # rule 5, in force
                 "queue_behind": b.behind(now),  # sheds what waited out the interval
                 "peer_threads_lent": self.rt.lent(name),
                 "refused_while_peers_had_room": served.admission.refused_with_room,

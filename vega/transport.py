@@ -86,24 +86,52 @@ class OneWriteProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(cast(asyncio.Transport, JoinedWrites(
             cast(asyncio.Transport, transport))))
-        self._head_bytes = 0  # of a request whose headers are not all in yet; -1 once they are
+        self._head_bytes = 0  # read while a request's headers are not all in; -1 once they are
+        self._head_parsed = 0  # its request line and headers, as parsed (one read may hold all)
+        self._refused = False
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if self._head_bytes >= 0:
             self._head_bytes += len(data)
         super().data_received(data)
-        if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refuse_head()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = self._head_parsed = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._head_parsed += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_parsed += len(name) + len(value) + 4  # ": " and CRLF
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._head_bytes = -1
+        if self._head_parsed > MAX_HEAD_BYTES:  # no request is started for it
+            self._refuse_head()
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
+
+    def _refuse_head(self) -> None:
+        self._refused = True
+        if not self.transport.is_closing():
             self.transport.write(
                 b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
                 b"content-type: application/json\r\nconnection: close\r\n"
                 b"content-length: " + str(len(HEAD_TOO_LARGE)).encode() + b"\r\n\r\n"
                 + HEAD_TOO_LARGE)
             self.transport.close()
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._head_bytes = 0
-
-    def on_headers_complete(self) -> None:
-        self._head_bytes = -1
-        super().on_headers_complete()

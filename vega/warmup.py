@@ -48,7 +48,7 @@ def seed_batch_times(batcher: Batcher, passes: int,
         seconds = measure(bound, size)
         batcher.times.observe(bucket, size, seconds)
         batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
-    batcher.times.settle()
+    settle(batcher)
 
 
 def in_turn(shapes: Sequence[T], passes: int) -> Iterator[T]:
@@ -72,5 +72,12 @@ def rebucketed(batcher: Batcher, bounds: tuple[int, ...]) -> Batcher:
     for bucket, line in enumerate(lines):
         for size in sizes:
             other.rate.observe(size, size * other.item_cost(bucket), line.at(size))
-    other.times.settle()
+    settle(other)
     return other
+
+
+def settle(batcher: Batcher) -> None:
+    """Seeded: served batches take over the drift, and the interval starts from the
+    least a batch takes (one item of the shortest bucket)."""
+    batcher.times.settle()
+    batcher.fit_interval(batcher.times.predict(0, 1), weight=1.0)

@@ -144,6 +144,23 @@ async def test_queue_buffers_at_most_an_interval_of_non_critical_work() -> None:
     assert batcher.depth() == 150  # a refusal queues nothing
 
 
+async def test_a_model_slower_than_the_interval_may_queue_two_of_its_batches() -> None:
+    # Batches of 0.5 s or more against an interval of 0.1 s: the interval in force is two
+    # batch times, so a partial batch's worth queued behind the running one does not
+    # refuse the next caller, and a queue past two batches still does.
+    admission, batcher = make(capacity=1000, per_item_ms=500.0)
+    now = asyncio.get_running_loop().time()
+    fill(batcher, 1)
+    with pytest.raises(VegaError):  # the configured interval: 0.5 s of work is too much
+        admission.admit(NORMAL, [0], deadline=now + 100.0, now=now)
+    batcher.fit_interval(0.5, weight=1.0)  # what warm-up measures
+    admission.admit(NORMAL, [0], deadline=now + 100.0, now=now)
+    fill(batcher, 8)  # three batches of work
+    with pytest.raises(VegaError) as full:
+        admission.admit(NORMAL, [0], deadline=now + 100.0, now=now)
+    assert full.value.code == "queue_full"
+
+
 async def test_standing_queue_keeps_non_critical_to_a_few_batches_of_work() -> None:
     admission, batcher = make(capacity=1000)
     # Read before filling: a collection during the fill (this process may hold torch by

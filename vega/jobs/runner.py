@@ -159,7 +159,8 @@ class JobRunner:
                     await self._end(job, DONE, outputs=body)
             elif any(isinstance(e, VegaError) and e.code in MISSED for e in errors):
                 await self._end(job, EXPIRED)  # its ttl passed (or would) while queued here
-            elif all(isinstance(e, VegaError) and e.code == "not_ready" for e in errors):
+            elif all(isinstance(e, VegaError) and e.code in ("not_ready", "draining")
+                     for e in errors):
                 await self.lane.store.retry(job, ran=False)  # refused unrun: not an attempt
             elif job.attempts < self.lane.max_attempts:
                 self.lane.metrics.jobs_retried.labels(self.model).inc()

@@ -312,11 +312,12 @@ class ModelProcess:
         held, life.in_child = list(life.in_child), deque()
         return held
 
-    def close(self) -> None:
-        """Stop the child (it exits when its pipe closes) and free the slot."""
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop the child (it exits when its pipe closes; killed past ``grace_s``) and free
+        the slot."""
         self._closed = True
         self._up.clear()
-        self._stop_child(grace_s=5.0)
+        self._stop_child(grace_s=grace_s)
         for view in self._slots:
             view.release()
         self._buffer.release()
