@@ -20,7 +20,7 @@ import pytest
 from tests.infra import require
 from tests.models import window
 from tests.servers import ROOT, VegaProcess, free_port, wait_until
-from vega.metrics import Metrics
+from vega.metrics import LATENCY_BUCKETS, Metrics
 
 pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
 
@@ -120,6 +120,14 @@ def test_every_alert_has_unit_tests() -> None:
     tested = re.findall(r"alertname: (\w+)\n\s+exp_alerts: *(\[\])?", tests)
     assert alerts and {name for name, quiet in tested if not quiet} == alerts  # each fires
     assert {name for name, quiet in tested if quiet} == alerts  # and each stays quiet
+
+
+def test_the_latency_alert_threshold_is_a_bound_of_the_latency_histogram() -> None:
+    # Between two bounds the p99 is interpolated: with none at the threshold, 3% of
+    # answers a little over 0.5 s read as a p99 over 0.8 s.
+    expr = re.search(r"alert: VegaLatencyNearDeadline\n\s+expr: (.+)", RULES.read_text())
+    assert expr is not None and "request_seconds" in expr.group(1)
+    assert float(expr.group(1).rpartition(">")[2]) in LATENCY_BUCKETS
 
 
 def test_example_config_is_valid_and_loads_the_rules(tmp_path: Path) -> None:
