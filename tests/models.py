@@ -184,6 +184,11 @@ def window_sum(name: str) -> SequenceModel:
     return SequenceModel(Sum(), name, channels=8, max_length=512)
 
 
+def short_window_sum(name: str) -> SequenceModel:
+    """``window_sum`` for windows of at most 100 steps."""
+    return SequenceModel(window_sum(name).module, name, channels=8, max_length=100)
+
+
 # Bare modules, as a user's factory returns them (no adapter): Vega fits what it can.
 
 def no_lengths(name: str) -> Any:

@@ -116,3 +116,11 @@ async def test_a_fallback_that_answers_in_another_shape_is_refused_at_start() ->
         assert not runtime.ready
     finally:
         await runtime.stop()
+
+
+def test_a_fallback_for_shorter_windows_is_refused_at_start() -> None:
+    # Degraded to it, a window the main model takes would be refused 422 invalid_input.
+    env = {**BASE, "VEGA_MODEL": "python:tests.models:window_sum",
+           "VEGA_FALLBACK_MODEL": "python:tests.models:short_window_sum"}
+    with pytest.raises(ModelLoadError, match=r"windows of at most 100 steps, 'window_sum' of 512"):
+        create_app(load_settings(environ=env))

@@ -171,3 +171,7 @@ def check_fallback(spec: str, main: ModelAdapter, fallback: ModelAdapter,
         verb = "takes" if side == "inputs" else "answers"
         raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: {verb} different {side} "
                              f"from {main.name!r} ({shapes})")
+    if side == "inputs" and fallback.max_length < main.max_length:  # else a valid one is 422
+        raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: takes windows of at most "
+                             f"{fallback.max_length} steps, {main.name!r} of "
+                             f"{main.max_length}")
