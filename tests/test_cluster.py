@@ -302,6 +302,7 @@ async def test_with_redis_stopped_admission_falls_back_to_the_local_rule_at_once
     redis_server.stop()
     await asyncio.to_thread(wait_until, lambda: metric(a, "vega_redis_up") == 0, 5, "A to notice")
     assert lent(a) == 0
+    assert peers_of(a) == [] and metric(a, "vega_peers") == 0  # no beat can be read
     values = [float(i % 50) for i in range(160)]
     # 24 callers keep ~20 items queued at A, twice the 100-ms interval of its own work (16
     # sat so near it that one CI run on shared cores saw no refusal at all).

@@ -11,9 +11,8 @@ import torch
 
 from tests.models import per_patch, per_step, three_channels
 from vega.errors import VegaError
-from vega.models import SequenceModel, load_model
+from vega.models import SequenceModel, identity, load_model
 from vega.models.loader import ModelLoadError
-from vega.pressure.cache import identity
 
 
 @pytest.fixture(scope="module")

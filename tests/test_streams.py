@@ -42,8 +42,8 @@ CODES = frozenset({"model_error", "declined", "dead_letter"})
 def overflow(**changes: Any) -> Overflow:
     samples = (np.arange(16, dtype=np.float32).reshape(2, 8), np.ones((3, 8), np.float32))
     fields: dict[str, Any] = {"origin": "host-1", "batch": "host-1.ab.7", "model": "echo",
-                              "deadline_ms": 1_800_000_000_000, "sent_ms": 1_799_999_999_000,
-                              "attempt": 1, "pad_to": 3, "lengths": (2, 3), "samples": samples}
+                              "identity": "1", "deadline_ms": 1_800_000_000_000,
+                              "sent_ms": 1_799_999_999_000, "attempt": 1, "pad_to": 3, "lengths": (2, 3), "samples": samples}
     fields.update(changes)
     return Overflow(**fields)
 
@@ -76,7 +76,7 @@ def test_replies_round_trip_arrays_json_and_errors() -> None:
 
 @pytest.mark.parametrize("change", [
     lambda f: f.pop(b"data"),
-    lambda f: f.update({b"v": b"2"}),
+    lambda f: f.update({b"v": b"1"}),  # the wire before identities: another release
     lambda f: f.update({b"meta": b"\x80\x04\x95 a pickle"}),
     lambda f: f.update({b"data": f[b"data"][:-4]}),
     lambda f: f.update({b"data": f[b"data"] + b"\0" * 4}),
@@ -91,7 +91,8 @@ def test_damaged_entries_are_refused(change: Callable[[dict[bytes, bytes]], Any]
 
 @pytest.mark.parametrize("meta_change", [
     {"attempt": 0}, {"attempt": True}, {"deadline_ms": "soon"}, {"origin": "a b"},
-    {"model": "{x}"}, {"lengths": []}, {"lengths": [2, 0]}, {"pad_to": 9},
+    {"model": "{x}"}, {"identity": ""}, {"identity": 1}, {"lengths": []}, {"lengths": [2, 0]},
+    {"pad_to": 9},
     {"arrays": [{"dtype": "object", "shape": [2, 8]}, {"dtype": "float32", "shape": [3, 8]}]},
     {"arrays": [{"dtype": "float32", "shape": [2, 8, 1, 1, 1]},
                 {"dtype": "float32", "shape": [3, 8]}]},
@@ -204,7 +205,8 @@ async def ghost_peer_only(runtime: Runtime) -> Streams:
     thieves = [task for task in streams._tasks if task.get_name().startswith("streams-steal")]
     assert thieves and not await stop_tasks(thieves, timeout_s=5.0)
     await streams.cmd.xlen(overflow_key("echo"))
-    streams.peers = [{"node": "ghost", "models": ["echo"], "stealing": True, "spare": {"echo": 1}}]
+    streams.peers = [{"node": "ghost", "models": ["echo"], "stealing": True, "spare": {"echo": 1},
+        "identity": {"echo": "1"}}]
     return streams
 
 
@@ -276,7 +278,8 @@ async def test_a_batch_taken_back_holds_a_thread_so_the_next_hand_off_waits_for_
         streams, batcher = runtime.streams, runtime.models["echo"].batcher
         assert streams is not None
         taken_back = streams.metrics.overflow_events.labels("taken_back")
-        ghost = [{"node": "ghost", "models": ["echo"], "stealing": True, "spare": {"echo": 1}}]
+        ghost = [{"node": "ghost", "models": ["echo"], "stealing": True, "spare": {"echo": 1},
+        "identity": {"echo": "1"}}]
         first, first_item = one_window_batch(runtime, 10.0)
         streams.peers = ghost  # until the next heartbeat finds no such peer
         assert await streams.offer(first, local_wait_s=2.0)
@@ -315,7 +318,18 @@ async def beats_stopped(runtime: Runtime, peers: list[dict[str, Any]]) -> Stream
 
 def ghost(name: str, beat_ms: int) -> dict[str, Any]:
     return {"node": name, "time_ms": beat_ms, "models": ["echo"], "stealing": True,
-            "spare": {"echo": 1}}
+            "spare": {"echo": 1},
+        "identity": {"echo": "1"}}
+
+
+async def test_a_peer_serving_another_version_or_weights_lends_nothing(
+        runtime: Runtime) -> None:
+    # It would decline every batch of ours (test_thief): admission must not count on it.
+    streams = await beats_stopped(runtime, [ghost("same", 1)])
+    assert streams.lent("echo") == 1
+    streams.peers = [{**ghost("other", 1), "identity": {"echo": "2:0123abcd"}},
+                     {**ghost("older", 1), "identity": {}}]  # beats before identities
+    assert streams.lent("echo") == 0
 
 
 async def test_an_offer_no_peer_read_stops_offers_until_a_peer_beats_again(

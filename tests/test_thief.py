@@ -8,6 +8,7 @@ stream can be checked exactly.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -100,7 +101,7 @@ class Rig:
 
 def entry(origin: str, batch: str, deadline_in_ms: int = 5000, attempt: int = 1) -> Overflow:
     samples = (np.full((2, 8), 1.0, np.float32), np.full((3, 8), 0.5, np.float32))
-    return Overflow(origin=origin, batch=batch, model=MODEL,
+    return Overflow(origin=origin, batch=batch, model=MODEL, identity="1",
                     deadline_ms=wall_ms() + deadline_in_ms, sent_ms=wall_ms(), attempt=attempt,
                     pad_to=3, lengths=(2, 3), samples=samples)
 
@@ -167,6 +168,17 @@ async def test_a_malformed_entry_goes_to_the_dead_letter_stream_and_the_reader_l
 async def test_an_entry_it_cannot_finish_in_time_is_declined_not_run(rig: Rig) -> None:
     reply = await offered(rig, entry("origin-3", "origin-3.b.1", deadline_in_ms=1))
     assert reply.error_code == "declined"
+    assert rig.ran == [] and await rig.look.xlen(overflow_key(MODEL)) == 0
+
+
+async def test_a_batch_of_another_version_or_weights_of_its_model_is_declined_not_run(
+        rig: Rig) -> None:
+    # A rolling deploy: old and new processes share the stream, and an answer from the
+    # other weights would be wrong (and cached under the origin's).
+    assert rig.link.identities[MODEL] == "1"
+    reply = await offered(rig, dataclasses.replace(entry("origin-5", "origin-5.b.1"),
+                                                   identity="2:0123abcd"))
+    assert (reply.error_code, reply.error_message) == ("declined", "another version or weights")
     assert rig.ran == [] and await rig.look.xlen(overflow_key(MODEL)) == 0
 
 

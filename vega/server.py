@@ -41,10 +41,10 @@ from vega.httpio import (
 )
 from vega.jobs.routes import JobsApi
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
-from vega.models import ModelAdapter
+from vega.models import ModelAdapter, identity
 from vega.oip.routes import OipApi
 from vega.oip.routes import error_response as oip_error_response
-from vega.pressure.cache import ResponseCache, identity, models_to_cache
+from vega.pressure.cache import ResponseCache, models_to_cache
 from vega.pressure.idempotency import Idempotency, fingerprint
 from vega.runtime import Answer, Runtime
 from vega.stack import Guard, cached, core, idempotent

@@ -169,6 +169,7 @@ class Streams:
         log.warning("redis unreachable (%r): serving locally, reconnecting", error)
         self.up_event.clear()
         self.metrics.redis_up.set(0)
+        self.heart.forget()  # no beat can be read: none is believed alive
         for key in list(self._pending):
             self._take_back(key, "redis_down")
         self._reconnect()
@@ -202,6 +203,7 @@ class Streams:
         try:
             fields = encode_overflow(Overflow(
                 origin=self.node, batch=key, model=batch.model,
+                identity=self.link.identities[batch.model],
                 deadline_ms=wall_ms() + int(1000 * (batch.deadline - now)), sent_ms=wall_ms(),
                 attempt=1, pad_to=batch.pad_to, lengths=tuple(i.length for i in batch.items),
                 samples=tuple(item.sample for item in batch.items)))

@@ -23,7 +23,7 @@ from vega.channel.client import Client, connect, sharded
 from vega.channel.keys import GROUP, overflow_key
 from vega.config import Settings
 from vega.metrics import Metrics
-from vega.models import ModelAdapter
+from vega.models import ModelAdapter, identity
 from vega.records import Batch
 
 log = logging.getLogger("vega.streams")
@@ -54,6 +54,9 @@ class Link:
         self.node = node
         self.metrics = metrics
         self.models = dict(models)
+        # A batch runs only where its model's version and weights are the same (a rolling
+        # deploy's processes share the stream): each entry and heartbeat carries these.
+        self.identities = {name: identity(adapter) for name, (adapter, _) in models.items()}
         self.run_local = run_local
         self.timeout_s = settings.redis_timeout_ms / 1000
         self.cmd = self.client(self.timeout_s)  # every non-blocking command

@@ -37,9 +37,11 @@ class Peers:
         """Executor threads the live peers can lend for ``model`` (0 when Redis is away)."""
         if not self.link.up:
             return 0.0
+        ours = self.link.identities.get(model)
         return float(sum(peer["spare"].get(model, 0) for peer in self.live
                          if peer["stealing"] and isinstance(peer.get("spare"), dict)
-                         and not self._doubts(peer)))
+                         and isinstance(peer.get("identity"), dict)
+                         and peer["identity"].get(model) == ours and not self._doubts(peer)))
 
     def _doubts(self, peer: dict[str, Any]) -> bool:
         node = peer["node"]
@@ -53,6 +55,11 @@ class Peers:
         for peer in self.live:
             if node is None or peer["node"] == node:
                 self._doubted[peer["node"]] = peer.get("time_ms")
+
+    def forget(self) -> None:
+        """Redis is away: list no peer (their beats cannot be read) until it is back."""
+        self.live = []
+        self.link.metrics.peers.set(0)
 
     async def loop(self) -> None:
         settings = self.link.settings
@@ -72,7 +79,7 @@ class Peers:
         ttl_ms = 3 * link.settings.heartbeat_ms + 500  # a busy peer's late beat is not death
         state = {
             "node": link.node, "time_ms": now_ms, "stealing": int(link.stealing),
-            "models": orjson.dumps(list(models)),
+            "models": orjson.dumps(list(models)), "identity": orjson.dumps(link.identities),
             "depth": orjson.dumps({m: {p: b.depth(i) for i, p in enumerate(PRIORITY_NAMES)}
                                    for m, (_, b) in models.items()}),
             "service_rate": orjson.dumps({m: round(b.rate.items_per_s, 1)
@@ -118,6 +125,7 @@ def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
                 "models": orjson.loads(state[b"models"]), "depth": orjson.loads(state[b"depth"]),
                 "service_rate": orjson.loads(state[b"service_rate"]),
                 "inflight": int(state[b"inflight"]), "stealing": state[b"stealing"] == b"1",
-                "spare": orjson.loads(state.get(b"spare", b"{}"))}
+                "spare": orjson.loads(state.get(b"spare", b"{}")),
+                "identity": orjson.loads(state.get(b"identity", b"{}"))}
     except (KeyError, ValueError, orjson.JSONDecodeError):
         return None

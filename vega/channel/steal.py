@@ -129,6 +129,10 @@ class Thief:
         if await self.link.cmd.exists(done_key(model, entry.batch)):
             await self._ack(model, entry_id)  # the origin answered it already
             return
+        if entry.identity != self.link.identities[model]:  # another deploy's model
+            await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (),
+                                                     "declined", "another version or weights"))
+            return
         if remaining_ms < run_ms + self.settings.deadline_margin_ms:
             await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (),
                                                      "declined", "cannot finish in time"))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-VERSION = b"1"
+VERSION = b"2"  # 2: an overflow entry names its model's identity
 FIELDS = frozenset({b"v", b"meta", b"data"})
 # Array dtypes allowed on the wire: numbers only, never objects.
 DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "int16", "int8",
@@ -32,6 +32,7 @@ MAX_ATTEMPTS = 100
 _NODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _BATCH = re.compile(r"[A-Za-z0-9_.:-]{1,160}")
 _MODEL = re.compile(r"[^\x00-\x1f{}]{1,128}")
+_IDENTITY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 
 
 def wall_ms() -> int:
@@ -50,6 +51,7 @@ class Overflow:
     origin: str  # node id of the process that holds the callers
     batch: str  # unique batch key, origin-scoped
     model: str
+    identity: str  # its version and weights (vega.models.identity): a thief runs only its own
     deadline_ms: int  # absolute, wall-clock epoch milliseconds
     sent_ms: int  # wall clock at the origin's XADD
     attempt: int  # 1 on first hand-off, +1 per reclaim
@@ -114,14 +116,14 @@ def encode_overflow(entry: Overflow) -> dict[bytes, bytes]:
         raise WireError("only array samples can go on the wire")
     specs, data = _pack(list(entry.samples))
     meta = {"origin": entry.origin, "batch": entry.batch, "model": entry.model,
-            "deadline_ms": entry.deadline_ms, "sent_ms": entry.sent_ms,
+            "identity": entry.identity, "deadline_ms": entry.deadline_ms, "sent_ms": entry.sent_ms,
             "attempt": entry.attempt, "pad_to": entry.pad_to,
             "lengths": list(entry.lengths), "arrays": specs}
     return {b"v": VERSION, b"meta": orjson.dumps(meta), b"data": data}
 
 
-OVERFLOW_KEYS = {"origin", "batch", "model", "deadline_ms", "sent_ms", "attempt", "pad_to",
-                 "lengths", "arrays"}
+OVERFLOW_KEYS = {"origin", "batch", "model", "identity", "deadline_ms", "sent_ms", "attempt",
+                 "pad_to", "lengths", "arrays"}
 
 
 def decode_overflow(fields: Any) -> Overflow:
@@ -135,6 +137,8 @@ def decode_overflow(fields: Any) -> Overflow:
         raise WireError("bad batch id")
     if not isinstance(model, str) or not _MODEL.fullmatch(model):
         raise WireError("bad model name")
+    if not isinstance(meta["identity"], str) or not _IDENTITY.fullmatch(meta["identity"]):
+        raise WireError("bad model identity")
     for name in ("deadline_ms", "sent_ms"):
         if not _is_int(meta[name]) or not 0 < meta[name] < 1 << 53:
             raise WireError(f"bad {name}")
@@ -150,7 +154,8 @@ def decode_overflow(fields: Any) -> Overflow:
     for sample, length in zip(samples, lengths):
         if sample.ndim < 1 or sample.shape[0] != length:
             raise WireError("a sample's first dimension is not its length")
-    return Overflow(origin=origin, batch=batch, model=model, deadline_ms=meta["deadline_ms"],
+    return Overflow(origin=origin, batch=batch, model=model, identity=meta["identity"],
+                    deadline_ms=meta["deadline_ms"],
                     sent_ms=meta["sent_ms"], attempt=meta["attempt"], pad_to=meta["pad_to"],
                     lengths=tuple(lengths), samples=samples)
 

@@ -1,7 +1,14 @@
 """Model adapters and the loader that turns a ``VEGA_MODEL`` value into one."""
 
-from vega.models.base import ModelAdapter, SequenceModel, TensorSpec, decode_all, holds_the_gil
+from vega.models.base import (
+    ModelAdapter,
+    SequenceModel,
+    TensorSpec,
+    decode_all,
+    holds_the_gil,
+    identity,
+)
 from vega.models.loader import load_model
 
 __all__ = ["ModelAdapter", "SequenceModel", "TensorSpec", "decode_all", "holds_the_gil",
-           "load_model"]
+           "identity", "load_model"]

@@ -408,3 +408,11 @@ def _held_blocks(array: np.ndarray) -> list[slice]:
 def _kind_name(array: np.ndarray) -> str:
     return {"b": "booleans", "U": "strings", "S": "bytes", "O": "mixed values"}.get(
         array.dtype.kind, str(array.dtype))
+
+
+def identity(adapter: ModelAdapter) -> str:
+    """What a model's answers depend on besides their input: its version and, where the
+    adapter can tell (``weights_digest()``), its weights."""
+    weights = getattr(adapter, "weights_digest", None)
+    digest = weights() if weights is not None else ""
+    return f"{adapter.version}:{digest}" if digest else adapter.version

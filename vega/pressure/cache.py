@@ -91,14 +91,6 @@ class LruBytes:
         return evicted
 
 
-def identity(adapter: ModelAdapter) -> str:
-    """What a model's answers depend on besides their input: its version and, where the
-    adapter can tell (``weights_digest()``), its weights."""
-    weights = getattr(adapter, "weights_digest", None)
-    digest = weights() if weights is not None else ""
-    return f"{adapter.version}:{digest}" if digest else adapter.version
-
-
 class ResponseCache:
     """The two tiers over the models that opted in."""
 
