@@ -138,6 +138,18 @@ def test_cli_config_prints_settings_and_bad_value_exits_2(capsys: pytest.Capture
     assert err.count("\n") == 1 and "VEGA_MAX_BATCH_SIZE='-1'" in err
 
 
+def test_cli_config_into_a_reader_that_stops_early_exits_quietly() -> None:
+    # `vega config | head -1`: the pipe closes before the settings are all written.
+    reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL)
+    config = subprocess.run([sys.executable, "-m", "vega", "config"], stdout=reader.stdin,
+                            stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+    assert reader.stdin is not None
+    reader.stdin.close()
+    reader.wait(10)
+    assert (config.returncode, config.stderr) == (0, "")
+
+
 def test_serve_with_a_bad_setting_exits_2_and_unloadable_model_exits_3() -> None:
     bad = subprocess.run([sys.executable, "-m", "vega", "serve", "--port", "x"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -4,6 +4,7 @@ the guard answers and counts whatever a layer raises."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,18 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
         log = tmp_path / "forward.log"
         model.module.forward_log = str(log)  # count forward passes from here on
         yield Served(client, runtime, log)
+
+
+async def test_a_503_is_counted_not_logged(served: Served, monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    # A burst or a stop answers thousands of 503s (and 504s) a second: a log line each
+    # would flood the journal.
+    path, body = PATHS["v1"]
+    monkeypatch.setattr(served.runtime, "draining", True)
+    with caplog.at_level(logging.INFO, logger="vega"):
+        assert (await served.client.post(path, content=body)).status_code == 503
+    assert served.counted("draining") == 1
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("protocol", ["v1", "v2"])

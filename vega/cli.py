@@ -83,10 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vega: {error}", file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "config":
-        for spec in SPECS:
-            value = settings.public()[spec.name]
-            shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
-            print(f"{spec.env}={str(shown).lower() if isinstance(shown, bool) else shown}")
+        try:
+            for spec in SPECS:
+                value = settings.public()[spec.name]
+                shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+                print(f"{spec.env}={str(shown).lower() if isinstance(shown, bool) else shown}")
+            sys.stdout.flush()
+        except BrokenPipeError:  # `vega config | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return serve(settings)
 

@@ -192,7 +192,7 @@ class Guard:
         return reply, model, priority
 
     def refusal(self, request: Request, error: VegaError) -> Reply:
-        if error.status >= 500:
+        if error.status == 500:  # 503s and 504s are load, counted in the metrics: no log line
             log.warning("request %s: %s %s", request.scope.get("vega.request_id"),
                         error.code, error.message)
         return self.dialect.refusal(error)
