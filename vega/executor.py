@@ -357,5 +357,6 @@ def _settle(batch: Batch, outputs: list[Any] | None, error: BaseException | None
     else:
         log.error("model %s failed on batch %d of %d: %r", batch.model, batch.id,
                   batch.size, error)
-        failure = VegaError("model_error", f"model raised {type(error).__name__}")
+        kind = getattr(error, "kind", type(error).__name__)  # in a model process: its report
+        failure = VegaError("model_error", f"model raised {kind}")
     batch.fail(failure)

@@ -47,6 +47,15 @@ class ModelProcessError(RuntimeError):
     """The model process died, hung or could not start; the message says which."""
 
 
+class ModelRaised(Exception):
+    """The model raised in its process: the child's report, "Type: message"."""
+
+    @property
+    def kind(self) -> str:
+        """The type of what the model raised (what a caller's model_error names)."""
+        return str(self).partition(":")[0] or "Exception"
+
+
 @dataclass(frozen=True)
 class ProcessPlan:
     """What a model process is started with (one per executor thread)."""
@@ -163,7 +172,7 @@ class ModelProcess:
         except (EOFError, OSError) as error:
             self._kill(life, f"died during a batch ({type(error).__name__})")
         if not reply.get("ok"):
-            raise RuntimeError(str(reply.get("error", "model failed")))
+            raise ModelRaised(str(reply.get("error", "model failed")))
         outputs = slot.unpack(buffer if payload is None else payload, reply, copy=True)
         return outputs, time.perf_counter() - started
 
@@ -259,7 +268,7 @@ class ModelProcess:
         outputs: list[Any] | None = None
         error: BaseException | None = None
         if not reply.get("ok"):
-            error = RuntimeError(str(reply.get("error", "model failed")))
+            error = ModelRaised(str(reply.get("error", "model failed")))
         else:
             try:
                 buffer = self._slots[sent.lane] if payload is None else payload
