@@ -133,6 +133,10 @@ def test_export_refuses_what_it_cannot_compile(tmp_path: Path) -> None:
     assert unknown.returncode == 2 and "nothing" in unknown.stderr
     nowhere = export("--model", SMALL, "--out", str(tmp_path / "no" / "small.pt2"))
     assert nowhere.returncode == 2 and "no does not exist" in nowhere.stderr
+    if KIND == "cpu":  # no GPU here: asked for one, a line saying so, not a traceback
+        no_gpu = export("--model", SMALL, "--out", str(tmp_path / "gpu.pt2"), "--device", "cuda")
+        assert no_gpu.returncode == 2 and "--device cuda" in no_gpu.stderr
+        assert "Traceback" not in no_gpu.stderr
     assert list(tmp_path.iterdir()) == []
 
 

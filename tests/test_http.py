@@ -195,6 +195,9 @@ async def test_status_models_metrics_and_health(echo: httpx.AsyncClient) -> None
     assert status["ready"] is True
     assert set(status["models"]["echo"]["depth"]) == {"critical", "normal", "sheddable"}
     assert status["models"]["echo"]["service_rate_items_per_s"] > 0
+    assert status["models"]["echo"]["service_rate_cost_per_s"] >= \
+        status["models"]["echo"]["service_rate_items_per_s"]  # an item costs a unit or more
+    assert status["models"]["echo"]["queue_interval_ms"] >= 100.0  # the default, or more
     assert status["models"]["echo"]["standing_queue"] is False
     assert status["models"]["echo"]["queue_behind"] is False
     models = (await echo.get("/v1/models")).json()["models"]

@@ -341,6 +341,7 @@ def test_closed_loop_keeps_its_callers_busy_and_honours_retry_after(
     assert outcomes(light) == {"200": light["summary"]["offered"]}
     assert light["queue"]["max_depth"]["normal"] <= 16
     assert light["summary"]["offered"] > 16 * 2.0 / 0.02  # cycles well under 20 ms
+    assert closed("--connections", "16", "--requests", "100")["summary"]["offered"] == 100
     # 1024 callers on ~3,200/s: a refused caller comes back after Retry-After (whole
     # seconds, at least 1), so each is refused at most once a second, and what a
     # caller that comes back 50 ms after a refusal sends is several times more.

@@ -56,6 +56,16 @@ def test_the_line_follows_the_last_window_of_batches() -> None:
     assert line is not None and line.at(16) == pytest.approx(2 * (0.002 + 0.0016))
 
 
+def test_batches_of_one_size_keep_the_line_s_shape() -> None:
+    # Light traffic: a window of batches of one. Through the origin, a batch of 32 would
+    # be predicted at 32 of them (and an item's admission cost with it).
+    times = seeded({0: (0.010, 0.0001)}, 1)
+    for _ in range(64):
+        times.observe(0, 1, 0.0121)  # a fifth slower than warm-up saw
+    assert times.predict(0, 1) == pytest.approx(0.0121, rel=0.02)
+    assert times.predict(0, 32) < 1.5 * times.predict(0, 1)  # not 32 times
+
+
 def warmed(buckets: int) -> BatchTimes:
     """Lines for ``buckets`` buckets, each batch of size n in bucket b taking (b+1)(2 + n/10)
     ms, as a warm-up and some serving leave them."""

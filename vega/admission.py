@@ -55,14 +55,19 @@ class TokenBucket:
         self._at = now
 
     def take(self, cost: float, critical: bool, now: float) -> float:
-        """Take ``cost`` tokens, or return the seconds until they would be there."""
+        """Take ``cost`` tokens, or return the seconds until they would be there.
+
+        A request dearer than the bucket holds above its floor goes once the bucket is
+        full, leaving a debt that is refilled before the next one: else it would be
+        refused forever, with a Retry-After promising otherwise."""
         self.tokens = min(self.size, self.tokens + (now - self._at) * self.rate)
         self._at = now
         floor = 0.0 if critical else self.reserve
-        if self.tokens - cost >= floor:
+        need = min(cost, self.size - floor)
+        if self.tokens - need >= floor - 1e-9:
             self.tokens -= cost
             return 0.0
-        return (cost + floor - self.tokens) / self.rate
+        return (need + floor - self.tokens) / self.rate
 
     def refund(self, cost: float) -> None:
         self.tokens = min(self.size, self.tokens + cost)

@@ -251,8 +251,8 @@ class Settings:
     burst: float = setting("0", _float(0), "a number >= 0",
         "Token bucket size in cost units (0 = one second of VEGA_RATE_LIMIT).")
     refusal_rate: float = setting("500", _float(0), "a number >= 0",
-        "429s answered at once per second; beyond it each waits its turn, so callers "
-        "ignoring Retry-After cannot swamp the loop (0 = off).")
+        "Most 429s sent per second, evenly spaced: one sooner than its turn waits for it, "
+        "so callers ignoring Retry-After cannot swamp the loop (0 = off).")
     refusal_max_hold_ms: float = setting("2000", _float(0, 60_000), "a number 0-60000",
         "Longest a paced 429 is held before it is sent.")
     default_deadline_ms: float = setting("1000", _float(1), "a number >= 1",

@@ -63,6 +63,7 @@ class Reporter:
                 "depth": {p: b.depth(i) for i, p in enumerate(PRIORITY_NAMES)},
                 "inflight_batches": b.inflight,
                 "service_rate_items_per_s": round(b.rate.items_per_s, 1),
+                "service_rate_cost_per_s": round(b.rate.cost_per_s, 1),  # VEGA_RATE_LIMIT's unit
                 "backlog_ms": round(1000 * b.backlog_s(), 2),
                 "batch_time_drift": round(b.times.drift, 3),  # recent batches vs their lines
                 "standing_queue": b.standing(now),

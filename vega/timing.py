@@ -4,7 +4,7 @@ Rule 2 of DESIGN.md: predict batch time per (length bucket, batch size) from rec
 measurements, never from a constant. Each bucket keeps its last ``window`` batches
 and fits ``seconds = fixed + per_item * size`` by least squares (BentoML's
 dispatcher does the same), held to a line that can be true (neither falling nor below
-the origin); with one distinct size it scales the mean.
+the origin); with one distinct size it scales the line it had to that size's mean.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class BatchTimes:
             self.drift = sorted(self._ratios)[len(self._ratios) // 2]
         samples = self._samples[bucket]
         samples.append((size, seconds))
-        self._lines[bucket] = _fit(samples)
+        self._lines[bucket] = _fit(samples, self._lines[bucket])
 
     def settle(self) -> None:
         """Start the drift afresh (the lines were just seeded by a warm-up, not served):
@@ -105,12 +105,17 @@ class BatchTimes:
         return None
 
 
-def _fit(samples: deque[tuple[int, float]]) -> Line:
+def _fit(samples: deque[tuple[int, float]], before: Line | None = None) -> Line:
     n = len(samples)
     mean_x = sum(size for size, _ in samples) / n
     mean_y = sum(seconds for _, seconds in samples) / n
     var_x = sum((size - mean_x) ** 2 for size, _ in samples)
     if var_x == 0:
+        # One size says nothing of the slope: keep the line's shape (light traffic runs
+        # batches of one; through the origin, a full batch would cost 32 of them).
+        if before is not None and (expected := before.at(int(mean_x))) > 0:
+            scale = mean_y / expected
+            return Line(before.fixed_s * scale, before.per_item_s * scale)
         return Line(0.0, mean_y / mean_x)
     slope = sum((size - mean_x) * (seconds - mean_y) for size, seconds in samples) / var_x
     fixed = mean_y - slope * mean_x

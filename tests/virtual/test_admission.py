@@ -126,6 +126,18 @@ def test_token_bucket_keeps_a_reserve_for_critical() -> None:
     assert bucket.tokens == pytest.approx(3.0)
 
 
+def test_a_request_dearer_than_the_bucket_goes_when_it_is_full_and_leaves_a_debt() -> None:
+    # VEGA_BURST below one long window's cost: refused, it would be refused forever.
+    bucket = TokenBucket(rate=10.0, size=5.0, reserve=0.5, now=0.0)
+    assert bucket.take(21.0, critical=False, now=0.0) == 0.0
+    wait = bucket.take(1.0, critical=False, now=0.0)
+    assert wait == pytest.approx((16.0 + 1.0 + 0.5) / 10)  # the debt is repaid first
+    assert bucket.take(1.0, critical=False, now=wait) == 0.0  # as Retry-After said
+    dear = bucket.take(21.0, critical=False, now=wait)
+    assert dear == pytest.approx((5.0 - 0.5) / 10)  # until the bucket is full again
+    assert bucket.take(21.0, critical=False, now=wait + dear) == 0.0
+
+
 async def test_queue_buffers_at_most_an_interval_of_non_critical_work() -> None:
     admission, batcher = make(capacity=1000)  # 1 ms an item, interval 100 ms
     now = asyncio.get_running_loop().time()

@@ -25,6 +25,7 @@ class Closed:
     length: Sequence[int]
     honor_retry_after: bool = False
     round_trip_s: float = 0.001
+    limit: int = 0  # stop after this many requests (0: none), as --requests does
 
 
 class LeastConn:
@@ -88,6 +89,9 @@ async def drive_closed(loop: asyncio.AbstractEventLoop, closed: Closed,
 
     def send() -> None:
         if loop.time() >= end:
+            return
+        if closed.limit and len(priority) >= closed.limit:
+            time_up()
             return
         p, n = next(drawn)
         priority.append(p)

@@ -355,7 +355,7 @@ def _closed(options: dict[str, Any], round_trip_ms: float, seed: int) -> Closed 
                         np.random.default_rng(seed))
     return Closed(int(options["connections"]), float(options["duration_s"]),
                   pool[0].tolist(), pool[1].tolist(), bool(options["honor_retry_after"]),
-                  round_trip_ms / 1000)
+                  round_trip_ms / 1000, int(options.get("requests") or 0))
 
 
 def deadlines_by_class(options: SimOptions) -> list[float]:

@@ -80,9 +80,9 @@ def export_package(adapter: Any, out: Path, *, device: str = "cpu",
         raise ExportError(f"--out {out}: the package's name must end in .pt2")
     try:
         target = torch.device(device)
-    except RuntimeError as error:
+        module = adapter.module.to(target).eval()
+    except (RuntimeError, AssertionError) as error:  # torch asserts when CUDA is missing
         raise ExportError(f"--device {device}: {error}") from None
-    module = adapter.module.to(target).eval()
     program, multiple = _trace(module, adapter, device, multiples)
     probe = torch.from_numpy(adapter.example(multiple)[None]).to(device)
     with torch.inference_mode():

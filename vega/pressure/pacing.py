@@ -3,10 +3,11 @@
 A 429 is cheap but not free: the request was read, parsed and counted on the same
 event loop that answers admitted work. Callers that resend at once turn every
 refusal into another request, so past some rate the loop spends itself refusing
-and goodput collapses. Refusals beyond ``rate`` per second are therefore answered
-in turn, each held until its slot (at most ``max_hold_s``): a caller that ignores
-Retry-After is slowed to the pace the process can afford, while a polite fleet,
-which refuses far below that rate, never waits.
+and goodput collapses. Refusals are therefore answered evenly spaced at ``rate`` per
+second, each held until its slot (at most ``max_hold_s``): a caller that ignores
+Retry-After is slowed to the pace the process can afford, while a polite fleet, whose
+refusals come spread out below that rate, never waits (a burst of them at once is
+spread too).
 """
 
 from __future__ import annotations
