@@ -97,6 +97,19 @@ async def test_jobs_of_two_models_answer_what_infer_answers_from_two_primaries(
         assert runtime.jobs.durable
 
 
+@pytest.mark.parametrize("topology", ["redis_cluster", "redis_sentinel"])
+async def test_a_burst_past_the_client_s_connections_is_served(
+        request: pytest.FixtureRequest, topology: str) -> None:
+    # 300 polls at once, past the 64 connections a pool holds: they wait for one (or the
+    # cluster's nodes take them), as on one server, not 503 "the job store is unreachable".
+    url = request.getfixturevalue(topology).url
+    async with served(url) as (client, _runtime, _look):
+        job_id = (await submit(client, {"inputs": window(4)})).json()["id"]
+        assert (await until_final(client, job_id))["status"] == "done"
+        polls = await asyncio.gather(*(client.get(f"/v1/jobs/{job_id}") for _ in range(300)))
+    assert [r.status_code for r in polls] == [200] * 300, {r.text for r in polls}
+
+
 async def test_an_idempotency_key_makes_one_job_on_the_cluster(redis_cluster: Cluster) -> None:
     async with served(redis_cluster.url) as (client, runtime, look):
         body = {"inputs": window(5, 0.75), "ttl_s": 30}

@@ -25,7 +25,7 @@ from redis import exceptions as rexc
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 
 from vega.channel.url import CLUSTER, SENTINEL, parse_redis_url
@@ -43,7 +43,10 @@ CONNECTION_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownEr
                      rexc.SlotNotCoveredError, rexc.TryAgainError, rexc.RedisClusterException)
 
 
-POOL_WAIT_S = 1.0  # the longest a command waits for a free connection (standalone)
+POOL_WAIT_S = 1.0  # the longest a command waits for a free connection
+# redis-py's cluster client has no pool that waits: past its connections to a node a
+# command fails, so a burst of requests would read as Redis away. Room for a burst.
+CLUSTER_NODE_CONNECTIONS = 1024
 
 
 class Unavailable(Exception):
@@ -76,21 +79,27 @@ def connect(url: str, timeout_s: float, *, connect_timeout_s: float | None = Non
     if target.mode == CLUSTER:
         return _Cluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
                         username=target.username, password=target.password, ssl=target.tls,
-                        **common)
+                        **{**common, "max_connections": max(max_connections,
+                                                            CLUSTER_NODE_CONNECTIONS)})
     if target.mode == SENTINEL:
         own = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_s,
                "ssl": target.tls}
         sentinels = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed in 8.2
             list(target.nodes), sentinel_kwargs=own)
         client: Redis = sentinels.master_for(
-            target.service, db=target.db, username=target.username,
-            password=target.password, ssl=target.tls, **common)
+            target.service, connection_pool_class=_WaitingSentinelPool, db=target.db,
+            username=target.username, password=target.password, ssl=target.tls,
+            timeout=max(POOL_WAIT_S, timeout_s), **common)
         return client
     # Past max_connections a command waits for a free connection, a second at most: a
     # burst of job polls is local queueing, not Redis failing, and must not fail commands
     # (a result not stored is a job run twice). Each command itself keeps ``timeout_s``.
     pool = BlockingConnectionPool.from_url(url, timeout=max(POOL_WAIT_S, timeout_s), **common)
     return Redis.from_pool(pool)
+
+
+class _WaitingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """The Sentinel's pool, which waits for a free connection as the standalone one does."""
 
 
 def sharded(client: Client) -> bool:
