@@ -131,6 +131,66 @@ async def test_hostile_job_ids_are_404_and_touch_nothing(store_env: dict[str, st
         assert (await runtime.jobs.store.stats("echo")).queued == 0
 
 
+async def test_a_keyed_body_nested_past_what_can_be_fingerprinted_is_422() -> None:
+    # orjson parses 1024 levels but writes 254: the fingerprint of an Idempotency-Key.
+    body = b'{"inputs": ' + b"[" * 300 + b"]" * 300 + b"}"
+    async with served() as (client, _runtime, _):
+        for path in ("/v1/jobs", "/v1/infer"):
+            answer = await client.post(path, content=body, headers={"Idempotency-Key": "k"})
+            assert answer.status_code == 422, (path, answer.text)
+            assert answer.json()["error"]["code"] == "invalid_input"
+
+
+async def test_a_bug_on_a_job_route_is_a_json_500_and_logged(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    async def broken(*args: Any) -> None:
+        raise TypeError("a record no check foresaw")
+
+    async with served() as (client, runtime, _):
+        monkeypatch.setattr(runtime.jobs, "find", broken)
+        monkeypatch.setattr(runtime.jobs, "submit", broken)
+        for answer in [await client.get("/v1/jobs/" + "a" * 22),
+                       await client.delete("/v1/jobs/" + "a" * 22),
+                       await submit(client, {"inputs": window(4)})]:
+            assert answer.status_code == 500
+            assert answer.json()["error"]["code"] == "internal_error"
+            assert "foresaw" not in answer.text
+    assert sum("internal error" in r.getMessage() for r in caplog.records) == 3
+
+
+async def test_hostile_records_in_redis_fail_alone_and_the_jobs_around_them_run(
+        tmp_path: Any) -> None:
+    # What someone with Redis access could write: a key of another type, a count int()
+    # takes but HINCRBY refuses, a done job without outputs. Each is dropped (or read as
+    # not found); the jobs taken in the same batch as them run; no reply is broken JSON.
+    server = RedisServer(tmp_path).start()
+    look = redis.Redis.from_url(server.url)
+    try:
+        async with served(VEGA_REDIS_URL=server.url) as (client, runtime, _):
+            runner = runtime.jobs.runners["echo"]
+            runner.lane.taking.clear()  # the hostile entries and real jobs are read together
+            now = wall_ms()
+            good = {"model": "echo", "status": "queued", "single": "1", "priority": "1",
+                    "created_ms": str(now), "expires_ms": str(now + 60_000), "attempts": "0",
+                    "inputs": orjson.dumps([window(4)])}
+            look.set("vega:{echo}:job:" + "P" * 22, "x")
+            look.hset("vega:{echo}:job:" + "Q" * 22, mapping={**good, "attempts": " 1"})
+            for poison in ("P" * 22, "Q" * 22):
+                look.xadd("vega:{echo}:jobs", {"id": poison})
+            look.hset("vega:{echo}:job:" + "R" * 22, mapping={**good, "status": "done"})
+            ids = [(await submit(client, {"inputs": window(4)})).json()["id"] for _ in range(4)]
+            runner.lane.taking.set()
+            finals = [await until_final(client, job_id) for job_id in ids]
+            assert [doc["status"] for doc in finals] == ["done"] * 4
+            undone = await client.get("/v1/jobs/" + "R" * 22)
+            assert undone.status_code == 404 and undone.json()["error"]["code"] == "job_not_found"
+            pending = look.xpending("vega:{echo}:jobs", "workers")
+            assert pending["pending"] == 0  # the hostile entries were acknowledged away
+    finally:
+        look.close()
+        server.stop()
+
+
 async def test_queued_jobs_can_be_cancelled_or_expire_and_never_run(
         store_env: dict[str, str]) -> None:
     env = {"VEGA_MAX_BATCH_SIZE": "1", "VEGA_JOBS_MAX_DEPTH": "6", **store_env}

@@ -43,7 +43,8 @@ def overflow(**changes: Any) -> Overflow:
     samples = (np.arange(16, dtype=np.float32).reshape(2, 8), np.ones((3, 8), np.float32))
     fields: dict[str, Any] = {"origin": "host-1", "batch": "host-1.ab.7", "model": "echo",
                               "identity": "1", "deadline_ms": 1_800_000_000_000,
-                              "sent_ms": 1_799_999_999_000, "attempt": 1, "pad_to": 3, "lengths": (2, 3), "samples": samples}
+                              "sent_ms": 1_799_999_999_000, "attempt": 1, "pad_to": 3,
+                              "lengths": (2, 3), "samples": samples}
     fields.update(changes)
     return Overflow(**fields)
 

@@ -32,6 +32,7 @@ from vega.channel.keys import (
 )
 from vega.channel.url import SENTINEL, parse_redis_url
 from vega.jobs.store import (
+    DONE,
     FINAL,
     QUEUED,
     Job,
@@ -262,10 +263,13 @@ class RedisStore:
         async with self.cmd.pipeline(transaction=False) as pipe:
             for _entry, job_id in wanted:
                 pipe.hgetall(job_key(model, job_id))
-            raws = await pipe.execute() if wanted else []
+            # One key of another type (WRONGTYPE) fails only its own record, not the lot.
+            raws = await pipe.execute(raise_on_error=False) if wanted else []
         jobs = []
         for (entry, job_id), raw in zip(wanted, raws):
             try:
+                if isinstance(raw, rexc.ResponseError):
+                    raise StoreError(str(raw))
                 job = _decode(job_id, model, raw) if raw else None
             except StoreError as error:
                 log.warning("job %s: %s; dropped", job_id, error)
@@ -358,14 +362,24 @@ def _decode(job_id: str, model: str, raw: dict[bytes, bytes]) -> Job:
                 isinstance(k, str) and isinstance(v, str) for k, v in error.items())):
             raise StoreError("error is not an object of strings")
         outputs = raw.get(b"outputs", b"")
-        if outputs:
+        if outputs or status == DONE:
             orjson.loads(outputs)  # a fragment that is not JSON must never reach a reply
         return Job(id=job_id, model=model, instances=raw.get(b"inputs", b""),
-                   single=fields.get("single") == "1", priority=int(fields.get("priority", 1)),
-                   created_ms=int(fields["created_ms"]), expires_ms=int(fields["expires_ms"]),
-                   status=status, attempts=int(fields.get("attempts", 0)), outputs=outputs,
+                   single=fields.get("single") == "1",
+                   priority=_count(fields.get("priority", "1"), 3),
+                   created_ms=_count(fields["created_ms"]),
+                   expires_ms=_count(fields["expires_ms"]), status=status,
+                   attempts=_count(fields.get("attempts", "0"), 1 << 20), outputs=outputs,
                    error=error,
-                   finished_ms=int(fields["finished_ms"]) if "finished_ms" in fields else None,
+                   finished_ms=_count(fields["finished_ms"]) if "finished_ms" in fields else None,
                    entry=fields.get("entry", ""))
     except (KeyError, ValueError, UnicodeDecodeError, orjson.JSONDecodeError) as exc:
         raise StoreError(f"malformed record: {exc!r}") from None
+
+
+def _count(text: str, most: int = 1 << 53) -> int:
+    """A record's integer field: digits only (Python's int() takes " 1", which HINCRBY
+    refuses mid-script), and no more than ``most`` (a time in ms, a count, a class)."""
+    if not text.isascii() or not text.isdigit() or int(text) > most:
+        raise ValueError(f"{text[:40]!r} is not an integer 0..{most}")
+    return int(text)

@@ -9,12 +9,13 @@ before any store is asked.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -35,7 +36,9 @@ from vega.models import decode_all
 from vega.pressure.idempotency import KEY_PATTERN, fingerprint
 from vega.records import NORMAL
 from vega.runtime import Runtime
-from vega.stack import conclude
+from vega.stack import DISCONNECTED, conclude
+
+log = logging.getLogger("vega.jobs")
 
 # The refusals that a caller who can wait would rather have as a job (DESIGN.md "Jobs").
 TURNED = frozenset({"shed", "queue_full", "deadline_unmeetable"})
@@ -65,7 +68,10 @@ class JobsApi:
 
     async def job(self, request: Request) -> Response:
         """One route for both, so that a 405 names every method the path takes."""
-        return await (self.cancel if request.method == "DELETE" else self.get)(request)
+        try:
+            return await (self.cancel if request.method == "DELETE" else self.get)(request)
+        except Exception:
+            return error_response(_internal(request))
 
     async def submit(self, request: Request) -> Response:
         started = asyncio.get_running_loop().time()
@@ -76,6 +82,10 @@ class JobsApi:
             reply, priority = await self._submit(request, name, body, with_ttl=True)
         except VegaError as error:
             reply = _refusal(error)
+        except ClientDisconnect:
+            reply = DISCONNECTED
+        except Exception:
+            reply = _refusal(_internal(request))
         await conclude(self.runtime, name, priority, reply.outcome, started)
         return Response(reply.body, reply.status, headers=reply.headers, media_type=JSON)
 
@@ -186,6 +196,12 @@ def _idempotency_key(header: str | None) -> str | None:
     if match is None:
         raise invalid_input("Idempotency-Key must be 1-255 printable ASCII characters")
     return match.group(1)
+
+
+def _internal(request: Request) -> VegaError:
+    """A bug met on a job route (a record no check foresaw): logged, answered in JSON."""
+    log.exception("request %s: internal error", request.scope.get("vega.request_id"))
+    return VegaError("internal_error", "internal error; the server's log has the details")
 
 
 def _refusal(error: VegaError) -> Reply:

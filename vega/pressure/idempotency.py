@@ -76,8 +76,11 @@ class Claim:
 
 def fingerprint(doc: Any) -> str:
     """The body as parsed, canonically re-serialised and hashed."""
-    return hashlib.blake2b(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS),
-                           digest_size=16).hexdigest()
+    try:
+        canonical = orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:  # past orjson's 254 levels, which its parser allows
+        raise invalid_input("the body is nested too deeply") from None
+    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
 
 def redis_key(model: str, key: str) -> str:
