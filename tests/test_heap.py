@@ -35,9 +35,10 @@ def _parsed_rows_alive() -> bool:
                                         ("/v2/models/echo/infer", V2_BODY)],
                          ids=["v1", "v2"])
 async def test_a_held_refusal_keeps_nothing_of_its_request_alive(path: str, body: bytes) -> None:
-    # Refused by the token bucket (after the body is parsed) and paced at one refusal a
-    # second: the second refusal is held ~1 s. Under a flood hundreds are held at once;
-    # each one's parsed window would be live objects that every collection rescans.
+    # Refused by the token bucket once it is spent (after the body is parsed) and paced
+    # at one refusal a second: the second refusal is held ~1 s. Under a flood hundreds
+    # are held at once; each one's parsed window would be live objects that every
+    # collection rescans.
     settings = load_settings(environ={
         "VEGA_RATE_LIMIT": "1", "VEGA_BURST": "1", "VEGA_REFUSAL_RATE": "1",
         "VEGA_WARMUP_BATCHES": "1", "VEGA_TORCH_THREADS": "1"})
@@ -47,6 +48,7 @@ async def test_a_held_refusal_keeps_nothing_of_its_request_alive(path: str, body
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://vega") as client:
+            assert (await client.post(path, content=body)).status_code == 200  # the bucket's
             first = await client.post(path, content=body)
             # /v1 and /v2 word their error bodies differently; both name the reason.
             assert first.status_code == 429 and b"rate" in first.content

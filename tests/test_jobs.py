@@ -170,9 +170,10 @@ async def test_hostile_records_in_redis_fail_alone_and_the_jobs_around_them_run(
             runner = runtime.jobs.runners["echo"]
             runner.lane.taking.clear()  # the hostile entries and real jobs are read together
             now = wall_ms()
-            good = {"model": "echo", "status": "queued", "single": "1", "priority": "1",
-                    "created_ms": str(now), "expires_ms": str(now + 60_000), "attempts": "0",
-                    "inputs": orjson.dumps([window(4)])}
+            good: dict[Any, Any] = {
+                "model": "echo", "status": "queued", "single": "1", "priority": "1",
+                "created_ms": str(now), "expires_ms": str(now + 60_000), "attempts": "0",
+                "inputs": orjson.dumps([window(4)])}
             look.set("vega:{echo}:job:" + "P" * 22, "x")
             look.hset("vega:{echo}:job:" + "Q" * 22, mapping={**good, "attempts": " 1"})
             for poison in ("P" * 22, "Q" * 22):

@@ -86,10 +86,13 @@ def connect(url: str, timeout_s: float, *, connect_timeout_s: float | None = Non
                "ssl": target.tls}
         sentinels = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed in 8.2
             list(target.nodes), sentinel_kwargs=own)
-        client: Redis = sentinels.master_for(
-            target.service, connection_pool_class=_WaitingSentinelPool, db=target.db,
+        client = sentinels.master_for(
+            target.service, redis_class=_SentinelClient,
+            connection_pool_class=_WaitingSentinelPool, db=target.db,
             username=target.username, password=target.password, ssl=target.tls,
             timeout=max(POOL_WAIT_S, timeout_s), **common)
+        assert isinstance(client, _SentinelClient)
+        client.sentinels = sentinels
         return client
     # Past max_connections a command waits for a free connection, a second at most: a
     # burst of job polls is local queueing, not Redis failing, and must not fail commands
@@ -100,6 +103,19 @@ def connect(url: str, timeout_s: float, *, connect_timeout_s: float | None = Non
 
 class _WaitingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """The Sentinel's pool, which waits for a free connection as the standalone one does."""
+
+
+class _SentinelClient(Redis):
+    """A client of the primary a Sentinel names, which closes its connections to the
+    Sentinels with its own (each new connection to the primary asked them where it is)."""
+
+    sentinels: Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.sentinels is not None:
+            for sentinel in self.sentinels.sentinels:
+                await sentinel.aclose()
 
 
 def sharded(client: Client) -> bool:
