@@ -31,9 +31,9 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_core import serve  # noqa: E402
+from bench_core import free_ports, serve  # noqa: E402
 
-PORT = 18760
+PORT = free_ports(1)[0]  # the server this run starts
 STEADY = 256
 BODY = orjson.dumps({"instances": [np.full((64, 8), 0.5).tolist()]})
 REQUEST = (b"POST /v1/infer HTTP/1.1\r\nHost: vega\r\nContent-Type: application/json\r\n"

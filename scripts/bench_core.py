@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -166,6 +167,19 @@ def batch_seconds(port: int) -> tuple[float, float]:
     return total, count
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports nothing listens on now (the kernel's picks): a benchmark
+    beside another, or beside servers of one's own, does not take their ports."""
+    held = [socket.socket() for _ in range(count)]
+    try:
+        for sock in held:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in held]
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def serve(port: int, **env: str) -> subprocess.Popen[bytes]:
     return ready(spawn(port, **env), port)
 
@@ -294,16 +308,14 @@ def main() -> int:
     # Each round measures its own ceiling at the three sizes fastest here.
     best_sizes = tuple(sorted(rates, key=rates.__getitem__)[-3:])
     out = Path(tempfile.mkdtemp(prefix="vega-bench-core-"))
-    port = 18700
     # The phases take turns, round after round: this VM's speed drifts by +-15% over
     # minutes, and a ratio of two phases run minutes apart measured the drift as well.
     for number in range(1, rounds + 1):
         phase: dict[str, Any] = {}
         for name, env, connections, polite in PHASES:
-            phase[name] = run_phase(port, env, connections, seconds, length,
+            phase[name] = run_phase(free_ports(1)[0], env, connections, seconds, length,
                                     out / f"{number}-{name}", polite)
             print(f"round {number} {name}: {json.dumps(phase[name])}")
-            port += 1
             if name == "unbatched_64":
                 phase["ceiling_items_per_s"] = ceiling(length, best_sizes, per_size_s=1.5)
                 print(f"round {number} ceiling: "

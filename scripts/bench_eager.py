@@ -73,6 +73,7 @@ from bench_core import (  # noqa: E402
     batch_seconds,
     ceiling,
     device,
+    free_ports,
     machine_seconds,
     machine_shares,
     serve,
@@ -268,7 +269,7 @@ def _batch_mean(reports: Iterable[dict[str, Any]]) -> float | None:
 
 def run_phase(port: int, env: dict[str, str], connections: int, lengths: str,
               seconds: float, out: Path, peered: bool = False) -> dict[str, Any]:
-    server = Server(port, env, peer_port=port + PEER_OFFSET if peered else None)
+    server = Server(port, env, peer_port=free_ports(1)[0] if peered else None)
     try:
         server.load(connections, lengths, seconds, out)
     finally:
@@ -290,7 +291,7 @@ def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out
     try:
         for port, name in zip(ports, names):
             servers.append(Server(port, SPECS[name][0],
-                                  peer_port=port + PEER_OFFSET if name in PEERED else None))
+                                  peer_port=free_ports(1)[0] if name in PEERED else None))
         for number, which in enumerate((0, 1, 1, 0) * 2):
             _env, connections, lengths = SPECS[names[which]]
             servers[which].load(connections, lengths, seconds / 2, out / f"{which}-{number}")
@@ -307,7 +308,6 @@ def run_pair(ports: tuple[int, int], names: tuple[str, str], seconds: float, out
     return first, servers[1].phase()
 
 
-PEER_OFFSET = 500  # a peer's port: its server's plus this
 STOLEN_WARNING = 0.05  # a phase's share of stolen CPU time worth a line in the output
 
 # Phases compared with the module alone measured beside each of their slices (run_pair).
@@ -503,7 +503,6 @@ def main() -> int:
 
 def run_rounds(rounds: int, seconds: float, chosen: set[str], out: Path,
                results: dict[str, Any]) -> None:
-    port = 18800
     for number in range(1, rounds + 1):
         round_: dict[str, Any] = {"ceilings_at_start": ceilings(number, "start")}
         for name, env, connections, lengths in PHASES:
@@ -511,14 +510,13 @@ def run_rounds(rounds: int, seconds: float, chosen: set[str], out: Path,
                 continue
             partner = PAIRED.get(name)
             if partner is not None and (not chosen or partner in chosen):
+                first, second = free_ports(2)
                 round_[name], round_[partner] = run_pair(
-                    (port, port + 1), (name, partner), seconds, out / f"{number}-{name}")
-                port += 2
+                    (first, second), (name, partner), seconds, out / f"{number}-{name}")
                 names = [name, partner]
             else:
-                round_[name] = run_phase(port, env, connections, lengths, seconds,
+                round_[name] = run_phase(free_ports(1)[0], env, connections, lengths, seconds,
                                          out / f"{number}-{name}", peered=name in PEERED)
-                port += 1
                 names = [name]
             for done in names:
                 print(f"round {number} {done}: {json.dumps(round_[done])}", flush=True)

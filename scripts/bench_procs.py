@@ -28,10 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_core import ceiling, device, ready, spawn, summary
+from bench_core import ceiling, device, free_ports, ready, spawn, summary
 from bench_eager import MODEL, load
 
-PORT = 18900
 
 
 def start(ports: list[int]) -> list[subprocess.Popen[bytes]]:
@@ -57,7 +56,7 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def run(n: int, seconds: float, connections: int, lengths: str, out: Path) -> dict[str, Any]:
-    ports = [PORT + i for i in range(n)]
+    ports = free_ports(n)
     procs = start(ports)
     try:
         with ThreadPoolExecutor(n) as pool:
