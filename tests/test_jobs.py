@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -189,6 +190,24 @@ async def test_hostile_records_in_redis_fail_alone_and_the_jobs_around_them_run(
             assert pending["pending"] == 0  # the hostile entries were acknowledged away
     finally:
         look.close()
+        server.stop()
+
+
+async def test_a_store_outage_is_logged_when_it_begins_and_ends_not_every_retry(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    server = RedisServer(tmp_path).start()
+    try:
+        async with served(VEGA_REDIS_URL=server.url) as (client, _runtime, _):
+            with caplog.at_level(logging.INFO, logger="vega.jobs"):
+                server.stop()
+                await asyncio.sleep(2.5)  # five retries
+                server.start()
+                job_id = (await submit(client, {"inputs": window(4)})).json()["id"]
+                assert (await until_final(client, job_id))["status"] == "done"
+        said = [r.getMessage() for r in caplog.records if r.name == "vega.jobs"]
+        assert sum(m.startswith("job store for echo:") for m in said) == 1, said
+        assert sum("answers again" in m for m in said) == 1, said
+    finally:
         server.stop()
 
 

@@ -34,6 +34,7 @@ log = logging.getLogger("vega.jobs")
 # RedisClusterException: what the cluster client raises when no seed node answers.
 STORE_ERRORS = (rexc.RedisError, rexc.RedisClusterException, OSError)
 PAUSE_S = 0.5  # after a store error, before trying again
+OUTAGE_LOG_S = 60.0  # through a store outage, how often it is logged again
 # A job item's deadline is its ttl: passed while queued, or its batch would end past it.
 MISSED = frozenset({"deadline_exceeded", "deadline_unmeetable"})
 
@@ -56,6 +57,8 @@ class JobRunner:
         self._room.set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reclaim_at = 0.0
+        self._failing_since: float | None = None  # loop time the store began failing
+        self._logged_at = 0.0
 
     async def run(self) -> None:
         """Claim jobs whenever this process has room for them, until cancelled."""
@@ -83,8 +86,18 @@ class JobRunner:
                 if not jobs:
                     jobs = await store.take(self.model, consumer, count)
                 await self._start(jobs)
+                if self._failing_since is not None:
+                    log.info("job store for %s answers again, after %.1f s", self.model,
+                             loop.time() - self._failing_since)
+                    self._failing_since = None
             except STORE_ERRORS as error:
-                log.warning("job store for %s: %r; trying again", self.model, error)
+                # Once an outage begins and once a minute through it, not every pause.
+                now = loop.time()
+                if self._failing_since is None or now - self._logged_at >= OUTAGE_LOG_S:
+                    self._failing_since = self._failing_since or now
+                    self._logged_at = now
+                    log.warning("job store for %s: %r; trying again every %.1f s",
+                                self.model, error, PAUSE_S)
                 await asyncio.sleep(PAUSE_S)
 
     async def keep_claims(self) -> None:
