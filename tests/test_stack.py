@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,47 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
         log = tmp_path / "forward.log"
         model.module.forward_log = str(log)  # count forward passes from here on
         yield Served(client, runtime, log)
+
+
+class Gated:
+    """A module that runs only once ``gate`` is set: its queue stays as the test filled it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def __call__(self, *args: Any) -> Any:
+        assert self.gate.wait(30)
+        return self.inner(*args)
+
+
+async def test_a_critical_request_refused_before_its_body_is_read_counts_as_critical() -> None:
+    # The class only in the body; the queue full even for critical, so the request is
+    # refused before its body is read: it still counts as critical (VegaCriticalRefused
+    # reads that label), not as the header's default.
+    model = echo("echo")
+    env = {"VEGA_EXECUTOR": "thread", "VEGA_QUEUE_CAPACITY": "2", "VEGA_MAX_BATCH_SIZE": "1",
+           "VEGA_MAX_INFLIGHT_BATCHES": "1", "VEGA_CODEL_INTERVAL_MS": "60000",
+           "VEGA_DEFAULT_DEADLINE_MS": "30000"}
+    async with in_process(env, [model]) as (client, runtime):
+        gated = Gated(model.module)
+        model.module = gated
+        body = orjson.dumps({"inputs": window(16), "priority": "critical"})
+        batcher = runtime.models["echo"].batcher
+        admitted = []
+        for running, queued in ((1, 0), (1, 1), (1, 2)):  # then the queue is at its bound
+            admitted.append(asyncio.ensure_future(client.post("/v1/infer", content=body)))
+            for _ in range(500):
+                if (batcher.inflight, batcher.depth()) == (running, queued):
+                    break
+                await asyncio.sleep(0.01)
+        refused = [await client.post("/v1/infer", content=body) for _ in range(5)]
+        gated.gate.set()
+        assert [r.status_code for r in await asyncio.gather(*admitted)] == [200] * 3
+    assert [r.json()["error"]["code"] for r in refused] == ["queue_full"] * 5
+    counted = {s.labels["priority"]: s.value for m in runtime.metrics.rejections.collect()
+               for s in m.samples if s.name.endswith("_total")}
+    assert counted == {"critical": 5.0}
 
 
 async def test_a_503_is_counted_not_logged(served: Served, monkeypatch: pytest.MonkeyPatch,

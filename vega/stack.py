@@ -149,7 +149,13 @@ class Guard:
             priority = NORMAL if named is None else named  # counted under it if refused here
             # Refuse before reading the body when not even a critical request would get in:
             # the body may name any class, and it wins over the header.
-            self.runtime.gate(model, CRITICAL if early and self.dialect.refuses_unread else None)
+            try:
+                self.runtime.gate(model, CRITICAL if early and self.dialect.refuses_unread
+                                  else None)
+            except VegaError:
+                if named is None and later is None:  # counted under the class it asked for
+                    priority = await self._named_in_body(request, priority)
+                raise
             for check in self.checks:
                 check(request)
             body = await read_body(request, self.max_body_bytes)
@@ -190,6 +196,17 @@ class Guard:
                 log.exception("request %s: turning a refusal into a job failed",
                               request.scope.get("vega.request_id"))
         return reply, model, priority
+
+    async def _named_in_body(self, request: Request, default: int) -> int:
+        """The class a request refused unread names in its body (a scan, not a parse):
+        under a flood of critical work its refusals count as critical, which the
+        VegaCriticalRefused alert reads."""
+        try:
+            scanned = self.dialect.claimed(request, await read_body(request,
+                                                                     self.max_body_bytes))
+        except (VegaError, ClientDisconnect):
+            return default
+        return default if scanned is None else scanned
 
     def refusal(self, request: Request, error: VegaError) -> Reply:
         if error.status == 500:  # 503s and 504s are load, counted in the metrics: no log line
