@@ -151,6 +151,10 @@ def test_an_output_path_is_checked_before_the_work() -> None:
         "/etc/hostname exists and is not a directory"
     assert unwritable(Path("/etc/hostname/reports"), directory=True) == \
         "/etc/hostname is not a directory"
+    # Tried, not read off the permission bits, which tell root it may write anywhere.
+    assert unwritable(Path("/proc/reports"), directory=True) == "cannot write in /proc"
+    assert unwritable(Path("/proc/report.json")) == "cannot write in /proc"
+    assert unwritable(Path("/tmp/vega-reports"), directory=True) is None
 
 
 def test_profile_times_sizes_past_the_max_batch_size_in_a_model_process() -> None:

@@ -4,6 +4,7 @@ minutes of measuring, loading or compiling would lose them."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -23,6 +24,18 @@ def unwritable(path: Path, directory: bool = False) -> str | None:
             return f"{existing} does not exist"
     if not existing.is_dir():
         return f"{existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not _can_create_in(existing):
         return f"cannot write in {existing}"
     return None
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be made in ``directory``, tried: permission bits say yes to
+    root everywhere, /proc and read-only mounts included."""
+    try:
+        handle, name = tempfile.mkstemp(dir=directory, prefix=".vega-probe-")
+    except OSError:
+        return False
+    os.close(handle)
+    os.unlink(name)
+    return True
