@@ -379,6 +379,9 @@ def test_a_module_names_its_version_and_new_weights_change_its_identity(
         load_model("python:tests.models:redeployed"))  # the same weights, the same answers
     monkeypatch.setenv("TEST_SEED", "2")
     assert identity(load_model("python:tests.models:redeployed")) != identity(first)
+    known = identity(first)
+    monkeypatch.setattr(first, "weights_digest", lambda: pytest.fail("weights hashed again"))
+    assert identity(first) == known  # the cache and the overflow channel share one hash
     monkeypatch.setenv("TEST_VERSION", "2024-06.b")
     named = load_model("python:tests.models:redeployed")
     assert named.version == "2024-06.b" and identity(named).startswith("2024-06.b:")

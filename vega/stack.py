@@ -32,6 +32,12 @@ DISCONNECTED = Reply(499, b"", {}, "disconnected", None)
 LOAD_REFUSALS = frozenset({"shed", "queue_full", "deadline_unmeetable"})  # may become jobs
 
 
+def internal_error(request: Request) -> VegaError:
+    """A bug met while answering ``request``: logged with its id, answered without it."""
+    log.exception("request %s: internal error", request.scope.get("vega.request_id"))
+    return VegaError("internal_error", "internal error; the server's log has the details")
+
+
 def core(runtime: Runtime) -> Handler:
     """The runtime's answer to a call, refusals included, in the call's protocol."""
     async def run(call: Call) -> Reply:
@@ -185,10 +191,7 @@ class Guard:
         except (ClientGone, ClientDisconnect):
             return DISCONNECTED, model, priority
         except Exception:
-            log.exception("request %s: internal error", request.scope.get("vega.request_id"))
-            internal = VegaError("internal_error",
-                                 "internal error; the server's log has the details")
-            return self.dialect.refusal(internal), model, priority
+            return self.dialect.refusal(internal_error(request)), model, priority
         if later is not None and reply.outcome in LOAD_REFUSALS:
             try:
                 reply = await later.turn(request, model, kept, reply)

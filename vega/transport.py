@@ -87,7 +87,6 @@ class OneWriteProtocol(HttpToolsProtocol):
         super().connection_made(cast(asyncio.Transport, JoinedWrites(
             cast(asyncio.Transport, transport))))
         self._head_bytes = 0  # read while a request's headers are not all in; -1 once they are
-        self._head_parsed = 0  # its request line and headers, as parsed (one read may hold all)
         self._refused = False
 
     def data_received(self, data: bytes) -> None:
@@ -101,19 +100,16 @@ class OneWriteProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes = self._head_parsed = 0
-
-    def on_url(self, url: bytes) -> None:
-        self._head_parsed += len(url)
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_parsed += len(name) + len(value) + 4  # ": " and CRLF
-        super().on_header(name, value)
+        self._head_bytes = 0
 
     def on_headers_complete(self) -> None:
-        self._head_bytes = -1
-        if self._head_parsed > MAX_HEAD_BYTES:  # no request is started for it
+        read, self._head_bytes = self._head_bytes, -1
+        # Bytes read since the message began bound its head, unless the head came whole in
+        # a read that also held its body, or began inside one (pipelined): then measure
+        # the request line and headers uvicorn has parsed. No request is started for one
+        # over the bound.
+        if not 0 < read <= MAX_HEAD_BYTES and len(self.url) + sum(
+                len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEAD_BYTES:
             self._refuse_head()
             return
         super().on_headers_complete()

@@ -9,7 +9,6 @@ before any store is asked.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -36,9 +35,7 @@ from vega.models import decode_all
 from vega.pressure.idempotency import KEY_PATTERN, fingerprint
 from vega.records import NORMAL
 from vega.runtime import Runtime
-from vega.stack import DISCONNECTED, conclude
-
-log = logging.getLogger("vega.jobs")
+from vega.stack import DISCONNECTED, conclude, internal_error
 
 # The refusals that a caller who can wait would rather have as a job (DESIGN.md "Jobs").
 TURNED = frozenset({"shed", "queue_full", "deadline_unmeetable"})
@@ -71,7 +68,7 @@ class JobsApi:
         try:
             return await (self.cancel if request.method == "DELETE" else self.get)(request)
         except Exception:
-            return error_response(_internal(request))
+            return error_response(internal_error(request))
 
     async def submit(self, request: Request) -> Response:
         started = asyncio.get_running_loop().time()
@@ -85,7 +82,7 @@ class JobsApi:
         except ClientDisconnect:
             reply = DISCONNECTED
         except Exception:
-            reply = _refusal(_internal(request))
+            reply = _refusal(internal_error(request))
         await conclude(self.runtime, name, priority, reply.outcome, started)
         return Response(reply.body, reply.status, headers=reply.headers, media_type=JSON)
 
@@ -196,12 +193,6 @@ def _idempotency_key(header: str | None) -> str | None:
     if match is None:
         raise invalid_input("Idempotency-Key must be 1-255 printable ASCII characters")
     return match.group(1)
-
-
-def _internal(request: Request) -> VegaError:
-    """A bug met on a job route (a record no check foresaw): logged, answered in JSON."""
-    log.exception("request %s: internal error", request.scope.get("vega.request_id"))
-    return VegaError("internal_error", "internal error; the server's log has the details")
 
 
 def _refusal(error: VegaError) -> Reply:

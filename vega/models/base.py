@@ -13,6 +13,7 @@ import logging
 import math
 import struct
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -410,9 +411,17 @@ def _kind_name(array: np.ndarray) -> str:
         array.dtype.kind, str(array.dtype))
 
 
+_IDENTITIES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
 def identity(adapter: ModelAdapter) -> str:
     """What a model's answers depend on besides their input: its version and, where the
-    adapter can tell (``weights_digest()``), its weights."""
-    weights = getattr(adapter, "weights_digest", None)
-    digest = weights() if weights is not None else ""
-    return f"{adapter.version}:{digest}" if digest else adapter.version
+    adapter can tell (``weights_digest()``), its weights. Hashed once per adapter: the
+    response cache and the overflow channel both ask, and the weights may be gigabytes."""
+    known = _IDENTITIES.get(adapter)
+    if known is None:
+        weights = getattr(adapter, "weights_digest", None)
+        digest = weights() if weights is not None else ""
+        known = _IDENTITIES[adapter] = f"{adapter.version}:{digest}" if digest \
+            else adapter.version
+    return known
