@@ -22,7 +22,9 @@ import orjson
 import pytest
 
 from tests.books import Books, offer, steady
-from tests.models import forwarded, ledger, tagged, window
+from tests.infra import require
+from tests.inproc import in_process
+from tests.models import echo, forwarded, ledger, tagged, window
 from tests.redis_topologies import Cluster, SentinelSet, spread
 from tests.servers import ROOT, VegaProcess, metric, wait_until
 from tests.test_cluster import CLUSTER_ENV, check_outputs, outcomes, peers_of, send
@@ -111,6 +113,35 @@ async def test_a_hand_off_nobody_takes_is_taken_back_through_the_cluster(
     await check_an_unclaimed_hand_off_is_taken_back(runtime)
     assert runtime.streams is not None
     assert runtime.streams.metrics.redis_up._value.get() == 1  # no command was refused
+
+
+async def test_a_cluster_not_up_yet_is_redis_away_until_it_comes_up(
+        tmp_path: Path) -> None:
+    # No node answering raises redis-py's RedisClusterException, not a RedisError: it
+    # must read as Redis away (local work, reconnect), not escape as a 500 or end the
+    # reconnect task for good.
+    require("redis-server", "redis-cli")
+    cluster = Cluster(tmp_path)
+    env = {"VEGA_REDIS_URL": cluster.url, "VEGA_LENGTH_BUCKETS": "16",
+           "VEGA_HEARTBEAT_MS": "100"}
+    try:
+        async with in_process(env, [echo("echo")]) as (client, rt):
+            assert rt.streams is not None and not rt.streams.up
+            reply = await client.post("/v1/infer", json={"inputs": window(4)},
+                                      headers={"Idempotency-Key": "k-1"})
+            assert reply.status_code == 200, reply.text
+            await asyncio.to_thread(cluster.up)
+            for _ in range(300):
+                if rt.streams.up:
+                    break
+                await asyncio.sleep(0.05)
+            assert rt.streams.up, "overflow never reached the cluster once it was up"
+        # Leaving while the cluster is away (its goodbye unanswered) ends the stop too.
+        cluster.stop_all()
+        async with in_process(env, [echo("echo")]) as (client, rt):
+            assert rt.streams is not None and not rt.streams.up
+    finally:
+        cluster.stop_all()
 
 
 # -- two real processes against the cluster ------------------------------------------

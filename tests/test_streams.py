@@ -267,6 +267,36 @@ async def test_a_batch_taken_back_before_its_xadd_returns_is_left_to_no_thief(
         await client.aclose()
 
 
+async def test_a_batch_taken_back_during_its_xadd_holds_its_thread_till_it_has_run(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batcher's dispatch ends when the late XADD returns; the batch taken back before
+    that still runs here, so it must stay in flight (no spare thread lent) till it ends."""
+    async with solo_runtime(redis_server.url, VEGA_EXECUTOR="thread") as runtime:
+        streams = await ghost_peer_only(runtime)
+        served = runtime.models["echo"]
+        module: Any = served.adapter.module  # type: ignore[attr-defined]
+        module.sleep_s = 0.8  # the run here outlasts the checks below
+        monkeypatch.setattr(streams, "worth_handing_off", lambda batch, wait_s: True)
+        real_xadd = streams.cmd.xadd
+
+        async def slow_xadd(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.3)  # past the take-back timer (entry id still unknown)
+            return await real_xadd(*args, **kwargs)
+
+        monkeypatch.setattr(streams.cmd, "xadd", slow_xadd)
+        answer = asyncio.ensure_future(runtime.infer("echo", [window(4)], 0, 5000))
+        taken_back = streams.metrics.overflow_events.labels("taken_back")
+        for _ in range(100):
+            if taken_back._value.get() == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert taken_back._value.get() == 1 and served.batcher.inflight == 1
+        await asyncio.sleep(0.4)  # the XADD has returned: the dispatch has ended
+        seen = (answer.done(), served.batcher.inflight, served.batcher.spare_threads)
+        await asyncio.wait_for(answer, 5)
+        assert seen == (False, 1, 0)
+
+
 async def test_a_batch_taken_back_holds_a_thread_so_the_next_hand_off_waits_for_peers(
         redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """An idle process's thief reads its own hand-off back and runs it here, outside the

@@ -31,6 +31,7 @@ from vega.channel.wire import (
     wall_ms,
 )
 from vega.config import load_settings
+from vega.errors import VegaError
 from vega.metrics import Metrics
 from vega.records import Batch
 
@@ -169,6 +170,26 @@ async def test_an_entry_it_cannot_finish_in_time_is_declined_not_run(rig: Rig) -
     reply = await offered(rig, entry("origin-3", "origin-3.b.1", deadline_in_ms=1))
     assert reply.error_code == "declined"
     assert rig.ran == [] and await rig.look.xlen(overflow_key(MODEL)) == 0
+
+
+async def test_a_stolen_batch_refused_unrun_is_declined_for_its_origin_to_run(
+        redis_url: str) -> None:
+    # Its model process went down between the idle check and the run: not a model error
+    # (the origin would answer 500), a refusal the origin takes back and runs itself.
+    rig = Rig(redis_url, "thief-nr")
+
+    async def down(batch: Batch) -> None:  # what the executor does with no process up
+        for item in batch.items:
+            item.future.set_exception(VegaError("not_ready", "the model process is restarting"))
+
+    rig.link.run_local = down
+    await rig.start(lambda: rig.thief.steal_loop(MODEL))
+    try:
+        reply = await offered(rig, entry("origin-nr", "origin-nr.b.1"))
+    finally:
+        await rig.stop()
+    assert (reply.error_code, reply.error_message) == (
+        "declined", "the model process is restarting")
 
 
 async def test_a_batch_of_another_version_or_weights_of_its_model_is_declined_not_run(

@@ -26,7 +26,7 @@ from vega.config import Settings, length_bounds
 from vega.errors import VegaError, missed_deadline
 from vega.inflight import Inflight
 from vega.queues import Queues, first_live
-from vega.records import CRITICAL, JOB, PRIORITY_NAMES, Batch, Item
+from vega.records import CRITICAL, JOB, PRIORITY_NAMES, Batch, Item, fail_items
 from vega.timing import BatchTimes, ServiceRate
 
 log = logging.getLogger("vega.batcher")
@@ -213,17 +213,16 @@ class Batcher(Queues):
             if bucket is None:
                 break
             wake_at = None
-            batch: Batch | None = None
+            taken: list[Item] = []  # the batch's items, taken from the queues one by one
             try:
-                batch = self._form(bucket, now)
+                batch = self._form(bucket, now, taken)
                 if batch.items:
                     self._dispatch(batch)
                 else:
                     self._maybe_idle()
             except Exception:
                 log.exception("batch loop error; failing the batch and going on")
-                if batch is not None:
-                    batch.fail(VegaError("model_error", "internal error forming batch"))
+                fail_items(taken, VegaError("model_error", "internal error forming batch"))
                 return now  # look again once pending callbacks have run, not in a tight loop
         last_call = self._last_calls(loop.time())
         if last_call is None or (wake_at is not None and wake_at <= last_call):
@@ -244,6 +243,7 @@ class Batcher(Queues):
             self._next_last_call = self.refuse_hopeless(
                 now, self._last_call_lead,
                 lambda item: missed_deadline(item.deadline, now, self.backlog_s()))
+            self._maybe_idle()  # the refused may have been the last: a drain waits on it
         return self._next_last_call if self._next_last_call < now + self.standing_after_s \
             else None
 
@@ -316,7 +316,7 @@ class Batcher(Queues):
         seconds = self.times.predict(max(shares), items)
         return (1, -items / seconds if seconds > 0 else oldest)
 
-    def _form(self, bucket: int, now: float) -> Batch:
+    def _form(self, bucket: int, now: float, items: list[Item]) -> Batch:
         behind = self.behind(now)
         if behind:
             self.shed_waited(bucket, now - self.standing_after_s,
@@ -327,7 +327,6 @@ class Batcher(Queues):
         size = min(self.config.max_batch_size, sum(shares.values()))
         run = self._inflight.freeing_run()  # formed ahead, it starts once the running batch ends
         finish = (now if run is None else max(now, run[1])) + self.times.predict(top, size)
-        items: list[Item] = []
         lane, depth = self._lane()  # depth: the live counts, which the takes lower
         for source, count in shares.items():
             self._take(source, count, items, finish, now, lifo, behind)
@@ -449,7 +448,8 @@ class Batcher(Queues):
         if error is not None:
             log.error("batch %d failed outside the model: %r", batch.id, error)
             batch.fail(VegaError("model_error", "batch failed"))
-        self._ended(batch)
+        if batch.on_end == self._ended:  # else taken back and held: its run here frees it
+            self._ended(batch)
         if self._on_batch_done is not None:
             self._on_batch_done(batch)
 

@@ -110,6 +110,11 @@ class Batch:
 
     def fail(self, error: BaseException) -> None:
         """Answer each item still waiting with ``error``."""
-        for item in self.items:
-            if not item.future.done():
-                item.future.set_exception(error)
+        fail_items(self.items, error)
+
+
+def fail_items(items: list[Item], error: BaseException) -> None:
+    """Answer each of ``items`` still waiting with ``error``."""
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(error)

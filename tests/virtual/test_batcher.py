@@ -812,3 +812,27 @@ async def test_a_job_batch_is_cut_to_the_job_batch_time() -> None:
         item(batcher, priority=JOB)
     batch = await formed_once(batcher, sink)
     assert batch.size == 2
+
+
+async def test_items_taken_before_forming_a_batch_fails_are_answered_at_once(
+        running: Start) -> None:
+    def no_shape(longest: int) -> int:  # an adapter's padded-length hook that raises
+        raise ValueError(f"no compiled shape for {longest} steps")
+
+    batcher, sink = running(pad=no_shape)
+    taken = item(batcher, deadline_s=30.0)
+    with pytest.raises(VegaError) as refused:
+        await asyncio.wait_for(taken.future, 5)  # not left to its deadline
+    assert refused.value.code == "model_error"
+    assert batcher.depth() == 0 and sink.batches == []
+
+
+async def test_a_drain_sees_idle_once_the_last_item_is_refused_at_its_last_call(
+        running: Start) -> None:
+    batcher, sink = running(dispatch_when_idle=False, max_wait_s=1.0, standing_after_s=10.0)
+    doomed = item(batcher, deadline_s=0.2)  # its last call comes before its wait ends
+    idle = asyncio.ensure_future(batcher.wait_idle())
+    with pytest.raises(VegaError):
+        await asyncio.wait_for(doomed.future, 5)
+    assert sink.batches == []
+    await asyncio.wait_for(idle, 5)  # not the drain's whole timeout

@@ -127,17 +127,31 @@ def _closed_under(error: Exception) -> rexc.ConnectionError:
     return rexc.ConnectionError(f"connection closed under a command: {error!r}")
 
 
-class _Cluster(RedisCluster):
-    """redis-py's cluster client, whose every failure is a RedisError.
+def _cluster_away(error: rexc.RedisClusterException) -> rexc.ConnectionError:
+    return rexc.ConnectionError(f"the cluster did not answer: {error!r}")
 
-    After a timeout it disconnects a node's idle connections while other commands may
-    be starting on them; those fail with the transport's RuntimeError or
-    AttributeError, which here become the connection errors they are.
+
+class _Cluster(RedisCluster):
+    """redis-py's cluster client, made to fail only with RedisErrors.
+
+    No node answering (or a slot without one) raises RedisClusterException, which is
+    not a RedisError: here it becomes the connection error that every caller treats
+    as Redis away. After a timeout redis-py disconnects a node's idle connections while
+    other commands may be starting on them; those fail with the transport's
+    RuntimeError or AttributeError, which become connection errors too.
     """
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except rexc.RedisClusterException as error:
+            raise _cluster_away(error) from error
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().execute_command(*args, **kwargs)
+        except rexc.RedisClusterException as error:
+            raise _cluster_away(error) from error
         except (RuntimeError, AttributeError) as error:
             raise _closed_under(error) from error
 
@@ -152,6 +166,8 @@ class _ClusterPipeline(ClusterPipeline):
     async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
         try:
             return await super().execute(*args, **kwargs)
+        except rexc.RedisClusterException as error:
+            raise _cluster_away(error) from error
         except (RuntimeError, AttributeError) as error:
             raise _closed_under(error) from error
 

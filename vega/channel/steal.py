@@ -43,6 +43,8 @@ from vega.records import NORMAL, Batch, Item
 
 log = logging.getLogger("vega.streams")
 
+UNRUN = ("not_ready", "draining")  # refusals of a batch that never began: not model errors
+
 
 class Thief:
     """Steal and reclaim loops of one process, over its end of the side channel."""
@@ -162,7 +164,9 @@ class Thief:
         await self.link.run_local(batch)
         error = next((item.future.exception() for item in items
                       if item.future.done() and item.future.exception() is not None), None)
-        if error is not None or not all(item.future.done() for item in items):
+        if isinstance(error, VegaError) and error.code in UNRUN:  # the origin runs it
+            reply = Reply(entry.batch, self.node, 0.0, (), "declined", error.message)
+        elif error is not None or not all(item.future.done() for item in items):
             reply = Reply(entry.batch, self.node, 1000 * batch.infer_s, (), "model_error",
                           str(error or "no answer"))
         else:
