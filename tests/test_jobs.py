@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -16,6 +17,7 @@ import redis
 from tests.infra import RedisServer
 from tests.inproc import in_process
 from tests.models import FAIL_MARK, echo, window
+from vega.channel.keys import jobs_key
 from vega.jobs.redis_store import RedisStore
 from vega.jobs.store import Job, MemoryStore, Submitted, new_id, wall_ms
 from vega.runtime import Runtime
@@ -205,7 +207,8 @@ async def test_a_store_outage_is_logged_when_it_begins_and_ends_not_every_retry(
                 job_id = (await submit(client, {"inputs": window(4)})).json()["id"]
                 assert (await until_final(client, job_id))["status"] == "done"
         said = [r.getMessage() for r in caplog.records if r.name == "vega.jobs"]
-        assert sum(m.startswith("job store for echo:") for m in said) == 1, said
+        [began] = [m for m in said if m.startswith("job store for echo:")]
+        assert re.match(r"job store for echo: \w+Error: \w", began), began  # Redis's words
         assert sum("answers again" in m for m in said) == 1, said
     finally:
         server.stop()
@@ -397,32 +400,47 @@ async def test_a_burst_of_polls_past_the_redis_pool_waits_for_connections(
         server.stop()
 
 
-async def test_a_submit_whose_answer_timed_out_is_looked_up_before_it_is_refused(
+async def test_a_submit_whose_answer_timed_out_is_withdrawn_unless_a_runner_has_it(
         tmp_path: Any) -> None:
+    # Its caller gets 503 ("nothing was taken"; Nginx sends the job to another process),
+    # so the job must not run here too: whether Redis ran the script before the
+    # withdrawal or after it (still in its input buffer). Unless a runner took it at once.
     server = RedisServer(tmp_path).start()
     store = RedisStore(server.url, 1.0, 60, 1000)
     script = store._scripts["submit"]
+    late: list[dict[str, Any]] = []
 
     async def ran_then_timed_out(**kwargs: Any) -> Any:
         await script(**kwargs)  # Redis ran it; its answer came too late for the client
         raise redis.exceptions.TimeoutError("Timeout reading from socket")
 
-    async def timed_out(**kwargs: Any) -> Any:
+    async def ran_later(**kwargs: Any) -> Any:
+        late.append(kwargs)  # run once the withdrawal has
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+    async def ran_and_started(**kwargs: Any) -> Any:
+        await script(**kwargs)
+        await store.cmd.hset(kwargs["keys"][1], "status", "running")  # a runner's start
         raise redis.exceptions.TimeoutError("Timeout reading from socket")
 
     try:
         now = wall_ms()
-        for fake, stored in ((ran_then_timed_out, True), (timed_out, False)):
+        for fake, key in ((ran_then_timed_out, "k-1"), (ran_later, None),
+                          (ran_and_started, None)):
             job = Job(id=new_id(), model="m", instances=b"[[[1.0]]]", single=True,
                       priority=0, created_ms=now, expires_ms=now + 60_000)
             store._scripts["submit"] = fake  # type: ignore[assignment]
-            if stored:  # taken: a 202, not a 503 that would send it to another process
-                assert await store.submit(job, None, "", 100) == Submitted(job.id, "queued",
-                                                                           True)
-            else:
-                with pytest.raises(redis.exceptions.TimeoutError):
-                    await store.submit(job, None, "", 100)
-            assert (await store.get("m", job.id) is not None) is stored
+            if fake is ran_and_started:  # a runner has it: it was taken, 202
+                assert await store.submit(job, key, "p", 100) == Submitted(
+                    job.id, "queued", True)
+                continue
+            with pytest.raises(redis.exceptions.TimeoutError):
+                await store.submit(job, key, "p", 100)
+            if late:
+                assert await script(**late.pop()) == [4, b""]  # finds the marker: no job
+            assert await store.get("m", job.id) is None
+            assert await store.cmd.xlen(jobs_key("m")) == 0
+            assert await store.cmd.keys("*idem*") == []  # the key is free for the retry
     finally:
         await store.close()
         server.stop()

@@ -556,3 +556,49 @@ async def test_a_timeout_while_redis_is_hung_is_an_outage(
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)
     assert streams.metrics.overflow_events.labels("stalled")._value.get() == 0
+
+
+async def test_a_redis_that_holds_writes_is_an_outage_not_a_stall_here(
+        runtime: Runtime, redis_server: RedisServer) -> None:
+    """CLIENT PAUSE WRITE (what a failover does): reads and PINGs are answered, every
+    write waits. The probe is a write, so this is Redis away: batches come back."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    batch, item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(batch, local_wait_s=2.0)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await client.client_pause(1500, all=False)  # writes only
+        streams.redis_error(rexc.TimeoutError("Timeout reading from redis"))
+        assert (await asyncio.wait_for(item.future, 1.0))[0] == pytest.approx(16.0)
+        assert not streams.up and streams.peers == []
+    finally:
+        await client.client_unpause()
+        await client.aclose()
+    assert streams.metrics.overflow_events.labels("stalled")._value.get() == 0
+
+
+async def test_a_redis_that_refuses_writes_is_an_outage_and_its_peers_are_forgotten(
+        runtime: Runtime, redis_server: RedisServer) -> None:
+    """Out of memory under noeviction: each write is refused (OOM). Read as a refusal of
+    one command, Redis stayed up and a dead peer stayed listed, its last beat frozen."""
+    streams = runtime.streams
+    assert streams is not None and streams.up
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await client.config_set("maxmemory", "1")
+        streams.peers = [ghost("gone", 1)]
+        for _ in range(100):  # the next beat (every 100 ms here) meets the refusal
+            if not streams.up:
+                break
+            await asyncio.sleep(0.02)
+        assert not streams.up and streams.peers == []
+        assert streams.metrics.redis_up._value.get() == 0
+        await client.config_set("maxmemory", "0")
+        for _ in range(200):
+            if streams.up:
+                break
+            await asyncio.sleep(0.05)
+        assert streams.up  # back once Redis takes writes again
+    finally:
+        await client.config_set("maxmemory", "0")
+        await client.aclose()

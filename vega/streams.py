@@ -24,7 +24,7 @@ from typing import Any
 from redis import exceptions as rexc
 
 from vega.admission import PENDING_PER_SPARE
-from vega.channel.client import CONNECTION_ERRORS, StallCheck
+from vega.channel.client import CONNECTION_ERRORS, StallCheck, probe, said
 from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
@@ -81,7 +81,7 @@ class Streams:
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
         self._connecting: asyncio.Task[None] | None = None
-        self._timeouts = StallCheck(lambda: self.cmd.ping(), self._lost,
+        self._timeouts = StallCheck(lambda: probe(self.cmd), self._lost,
                                     metrics.overflow_events.labels("stalled").inc, self._spawn)
         self._reply_from = "$"
         self.rtt_s = 0.005  # replaced by measurements
@@ -166,7 +166,7 @@ class Streams:
         """Redis stopped answering: serve locally, take our batches back, reconnect."""
         if not self.up:
             return
-        log.warning("redis unreachable (%r): serving locally, reconnecting", error)
+        log.warning("redis unreachable (%s): serving locally, reconnecting", said(error))
         self.up_event.clear()
         self.metrics.redis_up.set(0)
         self.heart.forget()  # no beat can be read: none is believed alive
@@ -435,4 +435,4 @@ class Streams:
         elif isinstance(error, CONNECTION_ERRORS):
             self._lost(error)
         else:
-            log.error("redis refused a command: %r", error)
+            log.error("redis refused a command: %s", said(error))

@@ -38,9 +38,14 @@ Client: TypeAlias = "Redis | RedisCluster"
 DOWN_FOR_S = 1.0  # after a failure, skip Redis this long before trying again
 # What means "Redis is away" (serve locally, reconnect) rather than "Redis refused this":
 # a cluster with a slot's primary gone, no seed node answering (RedisClusterException),
-# or a Sentinel that names no primary, included.
+# or a Sentinel that names no primary, included; and a Redis that takes no writes (out
+# of memory under noeviction, a read-only replica, an ACL without the command), which
+# every path of the side channel needs.
 CONNECTION_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
-                     rexc.SlotNotCoveredError, rexc.TryAgainError, rexc.RedisClusterException)
+                     rexc.SlotNotCoveredError, rexc.TryAgainError, rexc.RedisClusterException,
+                     rexc.OutOfMemoryError, rexc.ReadOnlyError, rexc.NoPermissionError,
+                     rexc.MasterDownError)
+PROBE_KEY = "vega:probe"  # written to tell a stall here from a Redis that holds writes
 
 
 POOL_WAIT_S = 1.0  # the longest a command waits for a free connection
@@ -123,6 +128,11 @@ def sharded(client: Client) -> bool:
     return isinstance(client, RedisCluster)
 
 
+def said(error: BaseException) -> str:
+    """A Redis error for a log line: redis-py's repr names only its kind, not Redis's words."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
 def _closed_under(error: Exception) -> rexc.ConnectionError:
     return rexc.ConnectionError(f"connection closed under a command: {error!r}")
 
@@ -172,13 +182,20 @@ class _ClusterPipeline(ClusterPipeline):
             raise _closed_under(error) from error
 
 
+def probe(client: Client) -> Awaitable[Any]:
+    """One cheap write: answered only by a Redis that takes writes now."""
+    return client.set(PROBE_KEY, b"1", px=1000)
+
+
 class StallCheck:
     """Whether a command that timed out met Redis away or a stall of this process.
 
     A stall (a burst's long loop turns, a collection) times out every command in flight
     across it though Redis answered, and acting on it as an outage (taking every hand-off
-    back, skipping the shared tiers) costs more than the stall did. One PING at a time
-    decides: unanswered, ``lost(error)``; answered, ``stalled()``."""
+    back, skipping the shared tiers) costs more than the stall did. One probe at a time
+    decides: unanswered, ``lost(error)``; answered, ``stalled()``. The probe is a write:
+    a Redis that answers reads but holds writes (CLIENT PAUSE WRITE, as a failover does)
+    serves none of Vega's paths."""
 
     def __init__(self, ping: Callable[[], Awaitable[Any]],
                  lost: Callable[[BaseException], None], stalled: Callable[[], None] = lambda: None,
@@ -200,7 +217,7 @@ class StallCheck:
             return
         self.stalls += 1
         self._stalled()
-        log.info("a redis command timed out (%r), but redis answers: a stall here", error)
+        log.info("a redis command timed out (%s), but redis answers: a stall here", said(error))
 
     async def close(self) -> None:
         if (checking := self._checking) is not None and not checking.done():
@@ -215,7 +232,7 @@ class SideRedis:
         self.client = connect(url, timeout_s)
         self._down_until = 0.0
         self.failures = 0
-        self.timeouts = StallCheck(lambda: self.client.ping(), lambda _error: self._down())
+        self.timeouts = StallCheck(lambda: probe(self.client), lambda _error: self._down())
 
     @property
     def up(self) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 from redis import exceptions as rexc
 
 from vega.batcher import Batcher
-from vega.channel.client import Client, connect, sharded
+from vega.channel.client import Client, connect, said, sharded
 from vega.channel.keys import GROUP, overflow_key
 from vega.config import Settings
 from vega.metrics import Metrics
@@ -33,7 +33,7 @@ Models = Mapping[str, tuple[ModelAdapter, Batcher]]
 
 
 def _log_refused(error: BaseException) -> None:
-    log.error("redis refused a command: %r", error)
+    log.error("redis refused a command: %s", said(error))
 
 
 def _no_take_back(key: str, why: str) -> None:
@@ -102,7 +102,7 @@ class Link:
                 # A steal's round trip: XADD, XREADGROUP, XADD, XREAD.
                 return 4 * min(pings), seconds * 1000 + micros // 1000
             except rexc.RedisError as error:
-                log.debug("redis connect failed: %r; next try in %.1f s", error, delay_s)
+                log.debug("redis connect failed: %s; next try in %.1f s", said(error), delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(5.0, delay_s * 2)
 

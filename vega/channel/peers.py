@@ -67,9 +67,13 @@ class Peers:
             await self.link.up_event.wait()
             try:
                 await self.beat()
+            except rexc.TimeoutError as error:
+                self.link.redis_error(error)  # a stall here or Redis away: the probe tells
             except rexc.RedisError as error:
+                self.forget()  # refused: the peers' beats were not read, none is known alive
                 self.link.redis_error(error)
             except Exception:
+                self.forget()
                 log.exception("heartbeat failed")
             await asyncio.sleep(settings.heartbeat_ms / 1000)
 

@@ -50,6 +50,9 @@ log = logging.getLogger("vega.jobs")
 # ('' without a key), then the record's field/value pairs. {0, id} added; {1, id} the
 # key's earlier job; {2} the key with another body; {3, depth} the backlog is full.
 _SUBMIT = """
+local status = redis.call('HGET', KEYS[2], 'status')
+if status == 'withdrawn' then return {4, ''} end
+if status then return {0, ARGV[1]} end
 if ARGV[4] ~= '' then
   local held = redis.call('GET', KEYS[3])
   if held then
@@ -88,6 +91,25 @@ for i, key in ipairs(KEYS) do
   end
 end
 return attempts
+"""
+
+# KEYS: stream, job, idempotency key. ARGV: record ttl ms, the key's value ('' without
+# one). After a submit's answer timed out (its caller gets 503): whichever of the two runs
+# first, the job is not taken. A queued job comes out of the stream, its key is freed, and
+# a marker stays that a later submit finds. Else the status it has (a runner took it).
+_WITHDRAW = """
+local status = redis.call('HGET', KEYS[2], 'status')
+if status and status ~= 'queued' then return status end
+local entry = redis.call('HGET', KEYS[2], 'entry')
+if entry then
+  redis.call('XACK', KEYS[1], 'workers', entry)
+  redis.call('XDEL', KEYS[1], entry)
+end
+if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'status', 'withdrawn')
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return 'withdrawn'
 """
 
 # KEYS: job, stream, dlq, dead count. ARGV: status, finished ms, result ttl ms, entry,
@@ -164,7 +186,7 @@ class RedisStore:
         self.dlq_maxlen = dlq_maxlen
         self._scripts = {name: self.cmd.register_script(text) for name, text in (
             ("submit", _SUBMIT), ("start", _START), ("finish", _FINISH), ("retry", _RETRY),
-            ("cancel", _CANCEL), ("forget", _FORGET))}
+            ("cancel", _CANCEL), ("forget", _FORGET), ("withdraw", _WITHDRAW))}
         self._groups: set[str] = set()
         # Behind Sentinel a 202 waits until a replica has the job, so that killing the
         # primary right after it cannot lose it (replication is asynchronous).
@@ -189,15 +211,20 @@ class RedisStore:
         fields: list[Any] = ["model", job.model, "status", QUEUED, "created_ms", job.created_ms,
                   "expires_ms", job.expires_ms, "single", int(job.single),
                   "priority", job.priority, "attempts", 0, "inputs", job.instances]
+        keys = [jobs_key(job.model), job_key(job.model, job.id), idem_key]
         try:
             code, value = await self._scripts["submit"](
-                keys=[jobs_key(job.model), job_key(job.model, job.id), idem_key],
+                keys=keys,
                 args=[job.id, max_depth, ttl_ms, print_ if key is not None else "", *fields],
                 client=self.cmd)
         except rexc.TimeoutError:
-            # Redis may have run it (a large body, a loaded host): a 503 says nothing was
-            # taken, and Nginx would send the job to another process, so look first.
-            if await self.get(job.model, job.id) is None:
+            # Redis may run it yet (a large body, a loaded host), after any look: a 503
+            # says nothing was taken, and Nginx sends the job to another process. So it
+            # is withdrawn, unless a runner has it already (then it was taken: 202).
+            status = await self._scripts["withdraw"](
+                keys=keys, args=[ttl_ms, f"{print_}|{job.id}" if key is not None else ""],
+                client=self.cmd)
+            if status in (b"withdrawn", "withdrawn"):
                 raise
             code, value = 0, job.id
         value = value.decode() if isinstance(value, bytes) else str(value)
@@ -217,11 +244,13 @@ class RedisStore:
             return Submitted(value, QUEUED, False)  # another submit took the key back
         if code == 2:
             raise conflict()
+        if code == 4:  # a resend of a submit withdrawn already
+            raise rexc.TimeoutError("the submit was withdrawn after its answer timed out")
         raise queue_full(int(value), max_depth)
 
     async def get(self, model: str, job_id: str) -> Job | None:
         raw: Any = await self.cmd.hgetall(job_key(model, job_id))
-        return _decode(job_id, model, raw) if raw else None
+        return _decode(job_id, model, raw) if raw and not _withdrawn(raw) else None
 
     async def cancel(self, model: str, job_id: str) -> Job | None:
         await self._scripts["cancel"](keys=[job_key(model, job_id), jobs_key(model)],
@@ -270,7 +299,7 @@ class RedisStore:
             try:
                 if isinstance(raw, rexc.ResponseError):
                     raise StoreError(str(raw))
-                job = _decode(job_id, model, raw) if raw else None
+                job = _decode(job_id, model, raw) if raw and not _withdrawn(raw) else None
             except StoreError as error:
                 log.warning("job %s: %s; dropped", job_id, error)
                 job = None
@@ -345,6 +374,11 @@ class RedisStore:
     async def close(self) -> None:
         await self.cmd.aclose()
         await self.reader.aclose()
+
+
+def _withdrawn(raw: dict[bytes, bytes]) -> bool:
+    """The marker of a submit refused after its answer timed out: no job."""
+    return raw.get(b"status") == b"withdrawn"
 
 
 def _decode(job_id: str, model: str, raw: dict[bytes, bytes]) -> Job:

@@ -20,6 +20,7 @@ import orjson
 from redis import exceptions as rexc
 
 from vega.batcher import Batcher
+from vega.channel.client import said
 from vega.errors import VegaError
 from vega.httpio import outputs_json
 from vega.jobs.store import DONE, EXPIRED, FAILED, FINAL, Job, wall_ms
@@ -96,8 +97,8 @@ class JobRunner:
                 if self._failing_since is None or now - self._logged_at >= OUTAGE_LOG_S:
                     self._failing_since = self._failing_since or now
                     self._logged_at = now
-                    log.warning("job store for %s: %r; trying again every %.1f s",
-                                self.model, error, PAUSE_S)
+                    log.warning("job store for %s: %s; trying again every %.1f s",
+                                self.model, said(error), PAUSE_S)
                 await asyncio.sleep(PAUSE_S)
 
     async def keep_claims(self) -> None:
@@ -109,7 +110,7 @@ class JobRunner:
                     await self.lane.store.refresh(self.model, self.lane.node,
                                                   list(self.held.values()))
                 except STORE_ERRORS as error:
-                    log.warning("job claims for %s not refreshed: %r", self.model, error)
+                    log.warning("job claims for %s not refreshed: %s", self.model, said(error))
 
     async def _start(self, jobs: list[Job]) -> None:
         store = self.lane.store
@@ -187,7 +188,7 @@ class JobRunner:
                                f"{self.lane.max_attempts}); dead-lettered"}, dead_letter=True)
         except STORE_ERRORS as error:
             # Left pending in the store: reclaimed after VEGA_CLAIM_IDLE_MS (run again).
-            log.warning("job %s: result not stored: %r", job.id, error)
+            log.warning("job %s: result not stored: %s", job.id, said(error))
         finally:
             self.held.pop(job.id, None)
             self.held_items -= len(items)
