@@ -206,11 +206,44 @@ async def test_a_store_outage_is_logged_when_it_begins_and_ends_not_every_retry(
                 server.start()
                 job_id = (await submit(client, {"inputs": window(4)})).json()["id"]
                 assert (await until_final(client, job_id))["status"] == "done"
+                for _ in range(100):  # at the next pass of the kind that failed
+                    if any("answers again" in r.getMessage() for r in caplog.records):
+                        break
+                    await asyncio.sleep(0.05)
         said = [r.getMessage() for r in caplog.records if r.name == "vega.jobs"]
         [began] = [m for m in said if m.startswith("job store for echo:")]
         assert re.match(r"job store for echo: \w+Error: \w", began), began  # Redis's words
         assert sum("answers again" in m for m in said) == 1, said
     finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("denied", ["xautoclaim", "hincrby"])
+async def test_a_user_without_a_command_logs_it_once_and_leaves_no_job_half_started(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture, denied: str) -> None:
+    # An ACL without XAUTOCLAIM fails every reclaim while takes succeed: one outage, not
+    # an "answers again" between each. Without HINCRBY a start script refused half-way
+    # left its jobs "running" for good; starting a job no longer needs it.
+    server = RedisServer(tmp_path).start()
+    look = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await look.acl_setuser("limited", enabled=True, passwords=["+pw"], keys=["*"],
+                               commands=["+@all", f"-{denied}"])
+        url = f"redis://limited:pw@127.0.0.1:{server.port}/0"
+        with caplog.at_level(logging.INFO, logger="vega.jobs"):
+            async with served(VEGA_REDIS_URL=url) as (client, _, _m):
+                job_id = (await submit(client, {"inputs": window(4)})).json()["id"]
+                assert (await until_final(client, job_id))["status"] == "done"
+                await asyncio.sleep(2.5)  # passes that reclaim, and passes that only take
+        said = [r.getMessage() for r in caplog.records if r.name == "vega.jobs"]
+        began = [m for m in said if m.startswith("job store for echo:")]
+        if denied == "xautoclaim":
+            assert len(began) == 1 and "NOPERM" in began[0].upper(), said
+        else:
+            assert began == [], said
+        assert not any("answers again" in m for m in said), said
+    finally:
+        await look.aclose()
         server.stop()
 
 

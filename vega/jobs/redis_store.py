@@ -78,14 +78,15 @@ return 0
 
 # KEYS: the records of jobs of one model (one slot). Per job, its attempt number when it
 # may run now, else -1 (finished or cancelled). One script, not a pipeline of scripts: a
-# Redis Cluster client refuses scripts in a pipeline.
+# Redis Cluster client refuses scripts in a pipeline. Status and attempt in one HSET: a
+# script is not rolled back when a later command in it is refused (an ACL, OOM).
 _START = """
 local attempts = {}
 for i, key in ipairs(KEYS) do
   local status = redis.call('HGET', key, 'status')
   if status == 'queued' or status == 'running' then
-    redis.call('HSET', key, 'status', 'running')
-    attempts[i] = redis.call('HINCRBY', key, 'attempts', 1)
+    attempts[i] = tonumber(redis.call('HGET', key, 'attempts') or '0') + 1
+    redis.call('HSET', key, 'status', 'running', 'attempts', attempts[i])
   else
     attempts[i] = -1
   end

@@ -59,6 +59,7 @@ class JobRunner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._reclaim_at = 0.0
         self._failing_since: float | None = None  # loop time the store began failing
+        self._failed_reclaiming = False  # the last failing pass reclaimed (else took only)
         self._logged_at = 0.0
 
     async def run(self) -> None:
@@ -74,8 +75,10 @@ class JobRunner:
                 self._room.clear()
                 await self._room.wait()
             count = max(1, (self.hold_items - self.held_items) // max(1, round(self.items_per_job)))
+            reclaimed = False  # this pass reclaims too: every kind of store call
             try:
                 if loop.time() >= self._reclaim_at:
+                    reclaimed = True
                     self._reclaim_at = loop.time() + self.lane.claim_idle_ms / 2000
                     jobs = await store.reclaim(self.model, consumer, count,
                                                self.lane.claim_idle_ms)
@@ -87,12 +90,14 @@ class JobRunner:
                 if not jobs:
                     jobs = await store.take(self.model, consumer, count)
                 await self._start(jobs)
-                if self._failing_since is not None:
+                if self._failing_since is not None and (
+                        reclaimed or not self._failed_reclaiming):  # what failed, passed
                     log.info("job store for %s answers again, after %.1f s", self.model,
                              loop.time() - self._failing_since)
                     self._failing_since = None
             except STORE_ERRORS as error:
-                # Once an outage begins and once a minute through it, not every pause.
+                # Logged once an outage begins and once a minute through it.
+                self._failed_reclaiming = reclaimed
                 now = loop.time()
                 if self._failing_since is None or now - self._logged_at >= OUTAGE_LOG_S:
                     self._failing_since = self._failing_since or now
