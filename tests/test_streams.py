@@ -602,3 +602,9 @@ async def test_a_redis_that_refuses_writes_is_an_outage_and_its_peers_are_forgot
     finally:
         await client.config_set("maxmemory", "0")
         await client.aclose()
+
+
+async def test_capacity_counts_only_peers_serving_the_model(runtime: Runtime) -> None:
+    # Another deployment sharing the Redis (another model) is not capacity of this one.
+    await beats_stopped(runtime, [ghost("twin", 1), {**ghost("other", 1), "models": ["x"]}])
+    assert runtime.reporter.capacity_sample().processes == 2

@@ -114,7 +114,8 @@ class Reporter:
                     reason = sample.labels["reason"]
                     refusals[reason] = refusals.get(reason, 0.0) + sample.value
         streams = self.rt.streams
-        peers = len(streams.peers) if streams is not None and streams.up else 0
+        peers = sum(self.rt.default_model in peer.get("models", ()) for peer in streams.peers) \
+            if streams is not None and streams.up else 0  # not another deployment's nodes
         return Sample(at=asyncio.get_running_loop().time(), busy_s=self.rt.executor.busy_s,
                       threads=self.rt.executor.threads, depth=depth, oldest_age_s=ages,
                       refusals=refusals,
