@@ -256,6 +256,41 @@ def test_disconnected_caller_is_dropped_before_dispatch(vega: Callable[..., Vega
     assert 'vega_batch_size_count{model="echo"} 1.0' in metrics  # only the first one ran
 
 
+async def test_a_paced_refusal_is_not_held_past_the_request_s_deadline(
+        vega: Callable[..., VegaProcess]) -> None:
+    # 40 refusals at 5 a second would be held up to the 5-s cap; their callers said
+    # they wait 300 ms, so each goes by then (a caller gone reconnects: dearer).
+    server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_RATE_LIMIT="1", VEGA_BURST="1",
+                  VEGA_REFUSAL_RATE="5", VEGA_REFUSAL_MAX_HOLD_MS="5000")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    responses = await fire(server.url, [BODY] * 40, [{"X-Vega-Deadline-Ms": "300"}] * 40)
+    took_s = loop.time() - started
+    assert codes(responses)["rate_limited"] >= 38
+    assert metric(server, "vega_refusals_paced_total") >= 30  # paced, each within its deadline
+    assert took_s < 2.5, took_s
+
+
+def test_a_caller_gone_while_its_batch_ran_is_counted_disconnected_not_ok(
+        vega: Callable[..., VegaProcess]) -> None:
+    # Its answer reached nobody: counted ok, the work wasted under overload by callers
+    # that time out would look like goodput on the dashboard.
+    server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="1000",
+                  VEGA_WARMUP_BATCHES="1")
+    body = orjson.dumps({"inputs": window(8), "deadline_ms": 10000})
+    with socket.create_connection(("127.0.0.1", server.port)) as gone:
+        gone.sendall(f"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}"
+                     "\r\n\r\n".encode() + body)
+        wait_until(lambda: metric(server, "vega_inflight_batches") == 1, 10, "its batch")
+
+    def counted() -> str:
+        metrics = httpx.get(server.url + "/metrics").text
+        return metrics if 'outcome="disconnected"' in metrics else ""
+    metrics = wait_until(counted, 10, "the hang-up to be counted")
+    assert 'vega_batch_size_count{model="echo"} 1.0' in metrics  # it ran, then was dropped
+    assert 'outcome="ok"' not in metrics
+
+
 async def test_refusals_past_the_refusal_rate_are_held_for_their_turn(
         vega: Callable[..., VegaProcess]) -> None:
     paced = vega(VEGA_MODEL="python:tests.models:echo", VEGA_RATE_LIMIT="1", VEGA_BURST="1",

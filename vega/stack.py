@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from vega.calls import Call, Dialect, Handler, Reply
 from vega.errors import REFUSALS, VegaError
-from vega.httpio import Sent, hung_up, read_body
+from vega.httpio import Sent, hung_up, parse_deadline_ms, read_body
 from vega.pressure.cache import ResponseCache
 from vega.pressure.idempotency import Idempotency
 from vega.pressure.looplag import LoopLate
@@ -135,10 +135,23 @@ class Guard:
     async def __call__(self, request: Request) -> Sent:
         started = asyncio.get_running_loop().time()
         reply, model, priority = await self.reply(request)  # the body goes with its frame
-        hold = counted(self.runtime, model, priority, reply.outcome, started)
-        if hold > 0:
-            await asyncio.sleep(hold)
+        outcome = reply.outcome
+        if outcome == "ok" and (gone := hung_up(request.receive)) is not None and gone():
+            outcome = "disconnected"  # answered to nobody: work wasted, not served
+        hold = counted(self.runtime, model, priority, outcome, started)
+        if hold > 0:  # not past the request's deadline: its caller has given up by then
+            await asyncio.sleep(min(hold, self._left_s(request, started)))
         return Sent(reply)
+
+    def _left_s(self, request: Request, started: float) -> float:
+        deadline_ms = request.scope.get("vega.deadline_ms")  # set once the body is parsed
+        if deadline_ms is None:
+            try:
+                deadline_ms = parse_deadline_ms(request.headers.get("x-vega-deadline-ms"),
+                                                self.runtime.settings)
+            except VegaError:
+                deadline_ms = self.runtime.settings.default_deadline_ms
+        return max(0.0, started + deadline_ms / 1000 - asyncio.get_running_loop().time())
 
     async def reply(self, request: Request) -> tuple[Reply, str, int]:
         """The reply to one request, the model it asked for and the class it was taken at."""
@@ -181,6 +194,7 @@ class Guard:
                                       keyed="idempotency-key" in request.headers)
             del body
             priority = call.priority
+            request.scope["vega.deadline_ms"] = call.deadline_ms
             if late and scanned is None:  # the class only the parse could tell
                 lag.check(priority)
             reply = await self.handler(call)
