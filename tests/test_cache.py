@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,21 @@ def test_lru_stays_within_its_byte_bound_and_evicts_least_recent() -> None:
     lru.put("kB", bytes(10))  # replacing an entry frees its old size
     assert lru.size <= lru.max_bytes
     assert lru.size == sum(LruBytes.cost(k, v) for k, v in lru._entries.items())
+
+
+def test_the_lru_holds_about_the_bytes_it_counts_of_orjson_answers() -> None:
+    # orjson's output carries the 4-KB buffer it was written in: kept as it came, an
+    # LRU of short answers held 13-25 times its bound.
+    lru = LruBytes(max_bytes=200_000)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(3000):
+            lru.put(f"k{i}", orjson.dumps({"model": "m", "outputs": [i, 0.25, 0.5]}))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert lru.size <= lru.max_bytes and held < 2 * lru.max_bytes, held
 
 
 def test_keys_are_canonical_and_separate_models_versions_and_shapes() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,21 @@ async def test_a_second_claim_replays_and_a_concurrent_one_waits() -> None:
     assert (await waiter).replay == OK
     assert (await store.claim("m", "k1", "fp", deadline)).replay == OK
     assert (await store.claim("other-model", "k1", "fp", deadline)).replay is None
+
+
+async def test_remembered_answers_hold_what_their_bodies_are_not_orjson_s_buffers() -> None:
+    store = Idempotency(ttl_s=60, max_keys=1000, metrics=Metrics())
+    deadline = asyncio.get_running_loop().time() + 5
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1000):
+            claim = await store.claim("m", f"k{i}", "fp", deadline)
+            await store.finish(claim, Reply(200, orjson.dumps({"outputs": [i, 0.5]}), {}, "ok"))
+        per_key = (tracemalloc.get_traced_memory()[0] - before) / 1000
+    finally:
+        tracemalloc.stop()
+    assert per_key < 2000, per_key  # 4 KB and more when a body kept orjson's buffer
 
 
 async def test_a_different_body_conflicts_and_a_refusal_is_forgotten() -> None:

@@ -186,6 +186,9 @@ async def test_drain_on_sigterm_answers_everything_admitted(
         during = await client.post(server.url + "/v1/infer", content=BODY)
     assert during.status_code == 503 and during.json()["error"]["code"] == "draining"
     assert int(during.headers["retry-after"]) >= 1
+    # A keep-alive client sends its next request on a new connection, not onto this one
+    # as the process closes it unanswered.
+    assert during.headers["connection"] == "close"
     assert httpx.get(server.url + "/readyz").status_code == 503
     seen = codes(await load)
     assert seen == Counter(ok=40), seen

@@ -18,7 +18,15 @@ from redis import exceptions as rexc
 
 from tests.infra import RedisServer
 from tests.models import echo, window
-from vega.channel.keys import GROUP, dlq_key, done_key, node_key, overflow_key, reply_key
+from vega.channel.keys import (
+    GROUP,
+    dlq_key,
+    done_key,
+    jobs_key,
+    node_key,
+    overflow_key,
+    reply_key,
+)
 from vega.channel.link import stop_tasks
 from vega.channel.wire import (
     Overflow,
@@ -608,3 +616,28 @@ async def test_capacity_counts_only_peers_serving_the_model(runtime: Runtime) ->
     # Another deployment sharing the Redis (another model) is not capacity of this one.
     await beats_stopped(runtime, [ghost("twin", 1), {**ghost("other", 1), "models": ["x"]}])
     assert runtime.reporter.capacity_sample().processes == 2
+
+
+async def test_a_process_that_stops_leaves_no_consumer_name_behind(
+        redis_server: RedisServer) -> None:
+    # Restarts under new names (the default VEGA_NODE_ID is host-pid) would otherwise
+    # pile consumers up in the overflow and job groups, one per restart.
+    client = aioredis.Redis.from_url(redis_server.url)
+    streams = [overflow_key("echo"), jobs_key("echo")]
+
+    async def names() -> list[list[bytes]]:
+        return [[c["name"] for c in await client.xinfo_consumers(s, GROUP)] for s in streams]
+    try:
+        async with solo_runtime(redis_server.url):
+            # A name joins a group with the first entry it is given: junk for the thief
+            # (dead-lettered) and a job long gone for the runner (dropped).
+            await client.xadd(overflow_key("echo"), {"junk": "1"})
+            await client.xadd(jobs_key("echo"), {"id": "AAAAAAAAAAAAAAAAAAAAAA"})
+            for _ in range(100):
+                if all(await names()):
+                    break
+                await asyncio.sleep(0.05)
+            assert await names() == [[b"solo"], [b"solo"]]
+        assert await names() == [[], []]
+    finally:
+        await client.aclose()

@@ -33,6 +33,13 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
                     headers=headers, media_type=JSON)
 
 
+def kept(data: bytes) -> bytes:
+    """An exact-size copy of bytes to keep for long: orjson's output carries the 4-KB
+    buffer it was written in, whatever its length (an LRU of short answers held 13x
+    its byte bound)."""
+    return bytes(memoryview(data))
+
+
 def outputs_json(doc: Any) -> bytes:
     """``doc`` (a model's outputs within an answer) as JSON; a non-finite output refused.
 

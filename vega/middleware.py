@@ -1,7 +1,10 @@
 """The HTTP edge: bearer-token authentication and request ids, as plain ASGI middleware.
 
 Both run before routing, so an unauthenticated request costs no parsing. Client
-request ids are untrusted text: only a short, safe form of one reaches logs.
+request ids are untrusted text: only a short, safe form of one reaches logs. While the
+process drains, every response says ``Connection: close``: a keep-alive client then
+sends its next request on a new connection (to a peer, behind a balancer), not onto
+this one just as it closes, unanswered.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ import hmac
 import itertools
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID = b"x-request-id"
+CONNECTION_CLOSE = (b"connection", b"close")
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._:-]")
 MAX_ID_CHARS = 64
 
@@ -34,10 +38,12 @@ def clean_request_id(raw: bytes | None) -> str:
 
 
 class RequestIdMiddleware:
-    """Puts a safe ``vega.request_id`` in the scope and echoes it as ``X-Request-Id``."""
+    """Puts a safe ``vega.request_id`` in the scope and echoes it as ``X-Request-Id``;
+    adds ``Connection: close`` while ``closing()``."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, closing: Callable[[], bool] = lambda: False) -> None:
         self.app = app
+        self.closing = closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,7 +60,8 @@ class RequestIdMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []),
-                                      (REQUEST_ID, request_id.encode())]
+                                      (REQUEST_ID, request_id.encode()),
+                                      *((CONNECTION_CLOSE,) if self.closing() else ())]
             await send(message)
 
         await self.app(scope, receive, send_with_id)

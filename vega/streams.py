@@ -24,7 +24,7 @@ from typing import Any
 from redis import exceptions as rexc
 
 from vega.admission import PENDING_PER_SPARE
-from vega.channel.client import CONNECTION_ERRORS, StallCheck, probe, said
+from vega.channel.client import CONNECTION_ERRORS, StallCheck, leave_group, probe, said
 from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
@@ -150,6 +150,9 @@ class Streams:
         stuck = await stop_tasks(tasks, timeout_s=blocking_timeout_s(self.timeout_s) + 1)
         if stuck:
             log.warning("%d overflow task(s) did not stop in time", len(stuck))
+        elif self.up:
+            for model in self.models:
+                await leave_group(self.cmd, overflow_key(model), GROUP, self.node)
         await self.heart.leave()
         await self.cmd.aclose()
 

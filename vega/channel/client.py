@@ -182,6 +182,18 @@ class _ClusterPipeline(ClusterPipeline):
             raise _closed_under(error) from error
 
 
+async def leave_group(client: Client, stream: str, group: str, consumer: str) -> None:
+    """Delete ``consumer`` from ``stream``'s ``group`` if it holds no entry (its reads
+    have stopped): restarts under new names would pile names up in the group forever.
+    One holding entries stays, for a peer to reclaim them. Best effort."""
+    try:
+        if not await client.xpending_range(stream, group, min="-", max="+", count=1,
+                                           consumername=consumer):
+            await client.xgroup_delconsumer(stream, group, consumer)
+    except (rexc.RedisError, OSError):
+        pass
+
+
 def probe(client: Client) -> Awaitable[Any]:
     """One cheap write: answered only by a Redis that takes writes now."""
     return client.set(PROBE_KEY, b"1", px=1000)

@@ -78,6 +78,9 @@ class JobLane:
         stuck = await stop_tasks(list(self._tasks), timeout_s=2)
         if stuck:
             log.warning("job lane: %d task(s) did not stop in time", len(stuck))
+        elif isinstance(self.store, RedisStore):
+            for model in self.runners:
+                await self.store.leave(model, self.node)
         try:
             await self.store.close()
         except STORE_ERRORS:

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from redis import exceptions as rexc
 
-from vega.channel.client import connect
+from vega.channel.client import connect, leave_group
 from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
@@ -371,6 +371,10 @@ class RedisStore:
             oldest_ms = max(0, wall_ms() - int(entry.split("-")[0]))
         return Stats(queued=max(0, int(length) - claimed), pending=claimed,
                      oldest_age_s=oldest_ms / 1000, dead_letters=int(dead or 0))
+
+    async def leave(self, model: str, consumer: str) -> None:
+        """This process stops taking: its name leaves the group, unless it holds jobs."""
+        await leave_group(self.cmd, jobs_key(model), GROUP, consumer)
 
     async def close(self) -> None:
         await self.cmd.aclose()

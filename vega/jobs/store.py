@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vega.errors import VegaError, invalid_input
+from vega.httpio import kept
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{22}")  # secrets.token_urlsafe(16)
 QUEUED, RUNNING, DONE, FAILED, EXPIRED, CANCELLED = (
@@ -230,7 +231,7 @@ class MemoryStore:
         state.running.discard(job.id)
         if job.status in FINAL:
             return
-        job.outputs, job.error = outputs, error
+        job.outputs, job.error = kept(outputs), error
         if dead_letter:
             state.dead_letters += 1
         self._close(job, status)

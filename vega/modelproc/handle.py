@@ -359,8 +359,12 @@ class ModelProcess:
                 raise ModelProcessError(f"model process did not load within "
                                         f"{plan.start_timeout_s:g} s")
             hello = orjson.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            hello = {"ready": False, "error": f"exited with status {process.poll()}"}
+        except (EOFError, OSError):  # its end of the pipe closed: it is exiting, or gone
+            try:
+                status: int | str | None = process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                status = "unknown (still running)"
+            hello = {"ready": False, "error": f"exited with status {status}"}
         except ModelProcessError:
             self._stop_child(grace_s=0.0)
             raise

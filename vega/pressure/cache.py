@@ -28,6 +28,7 @@ import orjson
 from vega.channel.client import SideRedis, Unavailable
 from vega.channel.keys import cache_entry_key
 from vega.config import Settings
+from vega.httpio import kept
 from vega.metrics import Metrics
 from vega.models import ModelAdapter
 
@@ -85,7 +86,7 @@ class LruBytes:
             old_key, old_value = self._entries.popitem(last=False)
             self.size -= self.cost(old_key, old_value)
             evicted += 1
-        self._entries[key] = value
+        self._entries[key] = kept(value)  # what it counts is what it holds
         self.size += cost
         self.evictions += evicted
         return evicted

@@ -21,6 +21,7 @@ A repeat on another process reads that key, polling with a short backoff while i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import os
@@ -35,6 +36,7 @@ from vega.calls import Reply
 from vega.channel.client import Client, SideRedis, Unavailable
 from vega.channel.keys import idempotency_key
 from vega.errors import VegaError, invalid_input
+from vega.httpio import kept
 from vega.metrics import Metrics
 
 KEY_PATTERN = re.compile(r'"?([\x21\x23-\x7e]{1,255})"?')  # sf-string content, quotes optional
@@ -143,7 +145,8 @@ class Idempotency:
 
     async def finish(self, claim: Claim, reply: Reply | None) -> None:
         """Record the attempt's answer (or forget the key when ``reply`` is not kept)."""
-        keep = reply if reply is not None and reply.status in REMEMBERED else None
+        keep = dataclasses.replace(reply, body=kept(reply.body)) \
+            if reply is not None and reply.status in REMEMBERED else None
         self._settle(claim, keep)
         if claim.token and self.redis is not None:
             # Shielded: a caller cancelled now must not cancel a Redis command.
