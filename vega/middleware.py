@@ -13,7 +13,8 @@ import hmac
 import itertools
 import re
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -37,13 +38,21 @@ def clean_request_id(raw: bytes | None) -> str:
     return f"{_PREFIX}-{next(_counter):x}"
 
 
+class Lifecycle(Protocol):
+    draining: bool
+
+
+class _Open:
+    draining = False
+
+
 class RequestIdMiddleware:
     """Puts a safe ``vega.request_id`` in the scope and echoes it as ``X-Request-Id``;
-    adds ``Connection: close`` while ``closing()``."""
+    adds ``Connection: close`` while ``lifecycle.draining``."""
 
-    def __init__(self, app: ASGIApp, closing: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle = _Open()) -> None:
         self.app = app
-        self.closing = closing
+        self.lifecycle = lifecycle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -56,12 +65,14 @@ class RequestIdMiddleware:
                 break
         request_id = clean_request_id(raw)
         scope["vega.request_id"] = request_id
+        lifecycle = self.lifecycle
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []),
-                                      (REQUEST_ID, request_id.encode()),
-                                      *((CONNECTION_CLOSE,) if self.closing() else ())]
+                headers = [*message.get("headers", []), (REQUEST_ID, request_id.encode())]
+                if lifecycle.draining:
+                    headers.append(CONNECTION_CLOSE)
+                message["headers"] = headers
             await send(message)
 
         await self.app(scope, receive, send_with_id)

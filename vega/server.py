@@ -264,7 +264,7 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
                                 open_paths=[p.strip() for p in settings.auth_open_paths.split(",")])
     if auth.tokens:  # without any, the layer would only cost each request a coroutine
         app = auth
-    return RequestIdMiddleware(app, closing=lambda: runtime.draining), runtime
+    return RequestIdMiddleware(app, runtime), runtime
 
 
 class HotRoutes:

@@ -41,9 +41,10 @@ def internal_error(request: Request) -> VegaError:
 def core(runtime: Runtime) -> Handler:
     """The runtime's answer to a call, refusals included, in the call's protocol."""
     async def run(call: Call) -> Reply:
+        gone = call.request.scope["vega.gone"] = hung_up(call.request.receive)
         try:
             answer = await runtime.infer(call.model, call.instances, call.priority,
-                                         call.deadline_ms, hung_up(call.request.receive))
+                                         call.deadline_ms, gone)
         except VegaError as error:
             return call.dialect.refusal(error)
         except ClientGone:
@@ -136,8 +137,8 @@ class Guard:
         started = asyncio.get_running_loop().time()
         reply, model, priority = await self.reply(request)  # the body goes with its frame
         outcome = reply.outcome
-        if outcome == "ok" and (gone := hung_up(request.receive)) is not None and gone():
-            outcome = "disconnected"  # answered to nobody: work wasted, not served
+        if outcome == "ok" and (gone := request.scope.get("vega.gone")) is not None and gone():
+            outcome = "disconnected"  # its batch ran, then nobody took the answer
         hold = counted(self.runtime, model, priority, outcome, started)
         if hold > 0:  # not past the request's deadline: its caller has given up by then
             await asyncio.sleep(min(hold, self._left_s(request, started)))
