@@ -133,3 +133,13 @@ def test_status_and_metrics_report_the_signal_under_real_load(
     assert "vega_suggested_processes" in metrics and "vega_executor_utilisation" in metrics
     assert 'vega_queue_age_seconds{model="echo",priority="normal"}' in metrics
     wait_until(lambda: capacity()["suggested_processes"] == 1, 10, "the signal to fall back")
+
+
+def test_the_suggestion_follows_the_fleet_until_it_first_grows_or_shrinks() -> None:
+    # The first sample is taken as the process starts, before any peer's beat is read.
+    feed = Feed(signal(), processes=1)
+    feed.second(0.7)
+    feed.processes = 4  # then three peers, each of the four 70% busy, keeping up
+    for _ in range(600):
+        feed.second(0.7)
+    assert feed.capacity.view()["suggested_processes"] == 4

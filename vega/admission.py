@@ -10,13 +10,14 @@ a constant.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from vega.batcher import Batcher
 from vega.config import Settings
-from vega.errors import VegaError
+from vega.errors import VegaError, invalid_input
 from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES, SHEDDABLE
 
 MIN_RETRY_MS = 50.0
@@ -98,8 +99,8 @@ class Admission:
         # Items of each class may fill the queue up to this many (rule 4: headroom for critical).
         self.limits = {
             CRITICAL: capacity,
-            NORMAL: max(1, int(capacity * config.normal_watermark)),
-            SHEDDABLE: int(capacity * config.shed_watermark),
+            NORMAL: max(1, int(capacity * config.normal_watermark + 1e-9)),  # 100 x 0.29: 29
+            SHEDDABLE: int(capacity * config.shed_watermark + 1e-9),
         }
         self.bucket: TokenBucket | None = None
         if config.rate_limit > 0:
@@ -141,6 +142,10 @@ class Admission:
         limit = self.limits[priority]
         if depth + count <= limit:
             return
+        if count > limit:  # no retry could fit it: a 429 would promise one
+            raise invalid_input(f"{count} instances, more than this process queues for "
+                                f"{PRIORITY_NAMES[priority]} requests ({limit}): send fewer "
+                                "per request")
         code = "shed" if priority == SHEDDABLE else "queue_full"
         excess = depth + count - limit
         raise VegaError(code, f"queue at its bound for {PRIORITY_NAMES[priority]} requests",
@@ -191,12 +196,15 @@ class Admission:
         batcher = self.batcher
         finish = now + ahead_s + self.config.margin_s
         size = batcher.config.max_batch_size
-        worst = 0.0
-        for bucket in set(buckets):
-            waiting = batcher.bucket_depth(bucket) + 1
+        worst = own_s = 0.0
+        for bucket, mine in Counter(buckets).items():
+            waiting = batcher.bucket_depth(bucket) + mine
             # A batch that will not fill waits out the window before it runs.
             wait_s = 0.0 if waiting >= size else batcher.config.max_wait_s
             worst = max(worst, wait_s + batcher.times.predict(bucket, min(size, waiting)))
+            # The full batches its own items need past that one, one after another.
+            own_s += (mine - 1) // size * batcher.times.predict(bucket, size)
+        worst += own_s / batcher.config.parallelism
         if finish + worst > deadline:
             raise VegaError("deadline_unmeetable",
                             f"predicted to finish {1000 * (finish + worst - deadline):.1f} ms "

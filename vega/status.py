@@ -121,6 +121,7 @@ class Reporter:
                       refusals=refusals,
                       item_s=main.times.per_item_s(0, main.config.max_batch_size),
                       processes=1 + peers,
+                      backlog_s=sum(s.batcher.backlog_s() for s in self.rt.models.values()),
                       overflow=dict(streams.counts) if streams is not None else {},
                       job_items=self.rt.jobs.backlog_items())
 

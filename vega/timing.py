@@ -49,6 +49,10 @@ class BatchTimes:
         if expected_s > 0:
             self._ratios.append(min(DRIFT_CAP, seconds / expected_s))
             self.drift = sorted(self._ratios)[len(self._ratios) // 2]
+            # Capped as the drift is: one batch held up 10 s would lift its bucket's line
+            # until a window of batches passed, and none passes while that line refuses
+            # every request of the bucket.
+            seconds = min(seconds, DRIFT_CAP * expected_s)
         samples = self._samples[bucket]
         samples.append((size, seconds))
         self._lines[bucket] = _fit(samples, self._lines[bucket])

@@ -58,6 +58,9 @@ class Sample:
     processes: int = 1  # this process and the live peers it sees
     overflow: Mapping[str, float] = field(default_factory=dict)  # batches offered, taken, ...
     job_items: float = 0.0  # job items queued or running (the async lane's backlog)
+    # Executor seconds (per thread) to serve what is queued, as the batchers predict it
+    # (every length and model); None: the queued items at ``item_s``.
+    backlog_s: float | None = None
 
 
 @dataclass
@@ -65,7 +68,7 @@ class Capacity:
     """The state machine; ``observe`` each sample, read ``view()``."""
 
     config: CapacityConfig = field(default_factory=CapacityConfig)
-    suggested: int = 0  # 0 until the first sample: then the processes seen
+    suggested: int = 0  # the processes seen, until it first grows or shrinks
     utilisation: float = 0.0
     demand: float = 0.0
     refusal_rate: dict[str, float] = field(default_factory=dict)
@@ -74,10 +77,11 @@ class Capacity:
     state: str = "steady"  # steady, growing (pressure held), shrinking (idle held)
     _since: float | None = None
     _toward: int = 0
+    _decided: bool = False  # grown or shrunk once: the suggestion is the load's, not the fleet's
 
     def observe(self, sample: Sample) -> None:
         previous, self.last = self.last, sample
-        if self.suggested == 0:
+        if not self._decided:  # peers are heard a beat after the start
             self.suggested = max(1, sample.processes)
         if previous is None or sample.at <= previous.at:
             return
@@ -91,11 +95,12 @@ class Capacity:
         refused = sum(rate for reason, rate in self.refusal_rate.items()
                       if reason not in NOT_LOAD)
         queued = sum(sample.depth.values())
+        queued_s = queued * sample.item_s / threads if sample.backlog_s is None \
+            else sample.backlog_s
         horizon = max(self.config.grow_after_s, dt)
         jobs = sample.job_items * sample.item_s / threads / self.config.job_drain_s
         self.demand = (self.utilisation + refused * sample.item_s / threads
-                       + queued * sample.item_s / threads / horizon
-                       + jobs / max(1, sample.processes))
+                       + queued_s / horizon + jobs / max(1, sample.processes))
         self._step(sample, refused > 0 or jobs > 0, queued + int(sample.job_items))
 
     def _step(self, sample: Sample, refusing: bool, queued: int) -> None:
@@ -125,7 +130,7 @@ class Capacity:
             self._toward = keep(self._toward, raw)
 
     def _settle(self, suggested: int) -> None:
-        self.suggested = suggested
+        self.suggested, self._decided = suggested, True
         self.state, self._since = "steady", None
 
     def view(self) -> dict[str, Any]:

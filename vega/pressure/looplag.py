@@ -55,7 +55,8 @@ class LoopLag:
     def touch(self) -> None:
         """A request arrived: keep a probe armed (re-armed as it fires while they come)."""
         self._touched = True
-        if self._due is None:
+        if self._due is None:  # after a quiet spell: its last turn was not the one before
+            self._was_late = False
             self._arm()
 
     def _arm(self) -> None:
