@@ -54,6 +54,7 @@ def test_precedence_defaults_env_file_environment_flags(tmp_path: Path) -> None:
     ({"VEGA_REDIS_URL": "redis://h:99999/0"}, "VEGA_REDIS_URL='redis://h:99999/0'"),
     ({"VEGA_REDIS_URL": "unix:///run/redis.sock?db=one"}, "VEGA_REDIS_URL"),
     ({"VEGA_MODEL_NAME": "my model"}, "VEGA_MODEL_NAME='my model'"),
+    ({"VEGA_MODEL_NAME": "}sensor"}, "VEGA_MODEL_NAME='}sensor'"),  # its keys' hash tag
     ({"VEGA_JOBS_RESULT_TTL_S": "inf"}, "VEGA_JOBS_RESULT_TTL_S='inf'"),  # not a duration
     ({"VEGA_IDEMPOTENCY_TTL_S": "1e309"}, "VEGA_IDEMPOTENCY_TTL_S"),
     ({"VEGA_AUTH_TOKENS": ","}, "VEGA_AUTH_TOKENS"),  # would leave the API open

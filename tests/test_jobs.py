@@ -477,3 +477,115 @@ async def test_a_submit_whose_answer_timed_out_is_withdrawn_unless_a_runner_has_
     finally:
         await store.close()
         server.stop()
+
+
+async def paused(runtime: Any) -> None:
+    """Stop the runner between takes (its blocking take ends within 0.5 s)."""
+    runtime.jobs.taking.clear()
+    await asyncio.sleep(0.8)
+
+
+async def test_a_poison_job_fails_alone_not_the_jobs_batched_with_it() -> None:
+    # One job whose window makes the model raise, three good ones batched with it: each
+    # runs again alone, so only the poison one fails (retried, the good ones met it
+    # again in every batch and were dead-lettered with it).
+    async with served(VEGA_MAX_ATTEMPTS="3") as (client, runtime, _model):
+        await paused(runtime)
+        bad = window(4)
+        bad[0][0] = FAIL_MARK
+        poison = (await submit(client, {"inputs": bad})).json()["id"]
+        good = [(await submit(client, {"inputs": window(4, float(n))})).json()["id"]
+                for n in range(3)]
+        runtime.jobs.taking.set()
+        assert (await until_final(client, poison))["status"] == "failed"
+        finals = [await until_final(client, job_id) for job_id in good]
+        assert [f["status"] for f in finals] == ["done"] * 3, finals
+
+
+async def test_a_job_whose_outputs_json_cannot_write_reaches_a_final_state(
+        store_env: dict[str, str]) -> None:  # noqa: F811
+    # A model answering a column-major (not C-contiguous) array: orjson refused it, the
+    # job's task died, and the job was never finished (memory: 'running' for good;
+    # Redis: reclaimed and run again, then failed "no result after 3 attempt(s)").
+    env = {"VEGA_CLAIM_IDLE_MS": "300", **store_env}
+    async with served(**env) as (client, runtime, model):
+        class ColumnMajor:  # __call__ is looked up on the type: wrap the module
+            def __init__(self, inner: Any) -> None:
+                self.inner = inner
+
+            def __call__(self, x: Any, lengths: Any) -> Any:
+                return self.inner(x, lengths).t().contiguous().t()  # same values and shape
+
+        model.module = ColumnMajor(model.module)
+        inline = await client.post("/v1/infer", content=orjson.dumps(
+            {"instances": [window(4), window(4)]}))
+        await paused(runtime)  # two jobs in one batch: rows of a [2, 3] column-major array
+        ids = [(await submit(client, {"inputs": window(4)})).json()["id"] for _ in range(2)]
+        runtime.jobs.taking.set()
+        finals = [await until_final(client, job_id, timeout_s=4) for job_id in ids]
+        # Memory: 'still running' for good. Redis: final only after three reclaims, each
+        # running the model again, and then "no result after 3 attempt(s)".
+        assert all(f["status"] in ("done", "failed") for f in finals), (finals, inline)
+        assert not any("no result after" in f.get("error", {}).get("message", "")
+                       for f in finals), finals
+
+
+async def test_two_deletes_of_one_job_count_one_cancellation(tmp_path: Any) -> None:
+    server = RedisServer(tmp_path).start()
+    try:
+        async with served(VEGA_REDIS_URL=server.url) as (client, runtime, _):
+            await paused(runtime)
+            job_id = (await submit(client, {"inputs": window(4)})).json()["id"]
+            first, second = await asyncio.gather(client.delete(f"/v1/jobs/{job_id}"),
+                                                 client.delete(f"/v1/jobs/{job_id}"))
+            assert {first.status_code, second.status_code} == {200}
+            assert runtime.jobs.counts["echo"]["cancelled"] == 1, runtime.jobs.counts
+    finally:
+        server.stop()
+
+
+async def test_an_idempotency_key_lives_as_long_as_its_job_s_record(tmp_path: Any) -> None:
+    # A job that expired in the backlog is finished when a runner reaches it, and its
+    # record lives another result TTL from then: so does its key, or a replay of the
+    # same key and body would make a second job meanwhile.
+    server = RedisServer(tmp_path).start()
+    store = RedisStore(server.url, 1.0, 1.0, 1000)  # results kept 1 s
+    try:
+        now = wall_ms()
+        job = Job(id=new_id(), model="m", instances=b"[[[1.0]]]", single=True, priority=1,
+                  created_ms=now, expires_ms=now + 200)
+        assert (await store.submit(job, "key", "print", 100)).created
+        await asyncio.sleep(0.6)  # a backlog: the runner reaches it after its expiry
+        [taken] = await store.take("m", "me", 10)
+        await store.finish(taken, "expired")  # what JobRunner._start does
+        await asyncio.sleep(0.8)  # key gone (200 + 1000 ms); record kept until ~1.6 s
+        assert (await store.get("m", job.id)) is not None  # GET still answers it
+        again = Job(id=new_id(), model="m", instances=b"[[[1.0]]]", single=True, priority=1,
+                    created_ms=wall_ms(), expires_ms=wall_ms() + 60_000)
+        replay = await store.submit(again, "key", "print", 100)
+        assert (replay.id, replay.created) == (job.id, False), replay
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_a_runner_claims_nothing_once_told_to_stop_taking(
+        store_env: dict[str, str]) -> None:  # noqa: F811
+    # A runner waiting for room when the drain begins claimed more jobs as soon as a
+    # held one ended.
+    env = {"VEGA_MAX_BATCH_SIZE": "1", **store_env}  # holds two jobs at a time
+    async with served(**env) as (client, runtime, model):
+        model.module.sleep_s = 0.3
+        ids = [(await submit(client, {"inputs": window(4, float(n))})).json()["id"]
+               for n in range(5)]
+        runner = runtime.jobs.runners["echo"]
+        for _ in range(200):
+            if runner.held_items >= runner.hold_items:
+                break
+            await asyncio.sleep(0.01)
+        held = set(runner.held)
+        runtime.jobs.stop_taking()  # what Runtime.drain does first
+        await asyncio.sleep(1.5)
+        later = [job_id for job_id in ids if job_id not in held and
+                 (await client.get(f"/v1/jobs/{job_id}")).json()["status"] != "queued"]
+        assert later == [], f"{len(later)} job(s) claimed after stop_taking"

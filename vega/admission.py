@@ -142,7 +142,8 @@ class Admission:
         limit = self.limits[priority]
         if depth + count <= limit:
             return
-        if count > limit:  # no retry could fit it: a 429 would promise one
+        if 0 < limit < count:  # no retry could fit it, where a 429 would promise one
+            # (a watermark of 0 sheds the whole class: that is the 429 below)
             raise invalid_input(f"{count} instances, more than this process queues for "
                                 f"{PRIORITY_NAMES[priority]} requests ({limit}): send fewer "
                                 "per request")

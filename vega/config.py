@@ -103,9 +103,10 @@ def _tokens(raw: str) -> str:
 
 
 def _name(raw: str) -> str:
-    """A model's name: one segment of /v1/models/{name}/infer, a label, a Redis key part."""
+    """A model's name: one segment of /v1/models/{name}/infer, a label, a Redis key part
+    (inside the braces of a Redis Cluster hash tag: no brace of its own)."""
     value = raw.strip()
-    if len(value) > 128 or any(c == "/" or c.isspace() or not c.isprintable() for c in value):
+    if len(value) > 128 or any(c in "/{}" or c.isspace() or not c.isprintable() for c in value):
         raise ValueError
     return value
 
@@ -194,8 +195,8 @@ class Settings:
     model: str = setting("sensor", _text,
         "sensor, sensor-small, torchscript:PATH, aoti:PATH or python:module:attr",
         "The model this process serves (the default for /v1/infer).")
-    model_name: str = setting("", _name, "a name of at most 128 characters, no '/' or "
-        "spaces, or empty",
+    model_name: str = setting("", _name, "a name of at most 128 characters, no '/', braces "
+        "or spaces, or empty",
         "Name the model is served under (default: derived from VEGA_MODEL).")
     device: str = setting("auto", _device, "cpu, cuda, cuda:N or auto",
         "Where the model runs; auto picks cuda when available.")

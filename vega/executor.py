@@ -37,7 +37,7 @@ from vega.modelproc.handle import Answered, Lane
 from vega.modelproc.slot import ALIGN
 from vega.models import ModelAdapter, holds_the_gil
 from vega.models.loader import ModelLoadError
-from vega.records import Batch
+from vega.records import JOB, Batch
 
 STOP_WAIT_S = 2.0  # at a stop, how long a batch still running may take to end
 
@@ -252,6 +252,19 @@ class Executor:
         if outputs is not None and len(outputs) != batch.size:
             error = RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
             outputs = None
+        self._resolve(batch, outputs, error, done)
+
+    def _resolve(self, batch: Batch, outputs: list[Any] | None, error: BaseException | None,
+                 done: asyncio.Future[None]) -> None:
+        if error is not None and not isinstance(error, VegaError) and batch.size > 1 \
+                and batch.items[0].priority == JOB:
+            # One job's input can fail a batch of several: each runs again alone, so only
+            # the job that fails alone fails (a job's retry would meet the same company).
+            _resolve(batch, [], None, done)
+            for item in batch.items:
+                self.run(Batch(model=batch.model, bucket=batch.bucket, items=[item],
+                               formed_at=batch.formed_at, pad_to=batch.pad_to))
+            return
         _resolve(batch, outputs, error, done)
 
     def _work(self, loop: asyncio.AbstractEventLoop, batch: Batch,
@@ -276,7 +289,7 @@ class Executor:
                 self._running -= 1
                 self.busy_s += batch.infer_s or time.perf_counter() - began
         try:
-            loop.call_soon_threadsafe(_resolve, batch, outputs, error, done)
+            loop.call_soon_threadsafe(self._resolve, batch, outputs, error, done)
         except RuntimeError:  # the loop closed during shutdown; nobody is waiting
             pass
 

@@ -40,6 +40,13 @@ def kept(data: bytes) -> bytes:
     return bytes(memoryview(data))
 
 
+def _plain(value: Any) -> Any:
+    """What orjson cannot write itself: an array not in C order (a transposed output)."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    raise TypeError(f"type {type(value).__name__} is not JSON serializable")
+
+
 def outputs_json(doc: Any) -> bytes:
     """``doc`` (a model's outputs within an answer) as JSON; a non-finite output refused.
 
@@ -48,7 +55,11 @@ def outputs_json(doc: Any) -> bytes:
     A body holds ``null`` only for such a value or a string containing it, so the outputs
     are walked only then.
     """
-    body = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    try:
+        body = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY, default=_plain)
+    except TypeError as error:
+        raise VegaError("model_error", f"the model's output cannot be written as JSON: "
+                        f"{error}") from None
     if b"null" in body and not _finite(doc):
         raise VegaError("model_error", "the model answered NaN or infinity, which JSON cannot "
                         "carry (a binary /v2 output carries it as it is)")

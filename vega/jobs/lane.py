@@ -110,11 +110,10 @@ class JobLane:
         return None
 
     async def cancel(self, job: Job) -> Job | None:
-        was = job.status
-        cancelled = await self.store.cancel(job.model, job.id)
-        if cancelled is not None and cancelled.status == "cancelled" and was != "cancelled":
+        after, cancelled_now = await self.store.cancel(job.model, job.id)
+        if cancelled_now:  # of two DELETEs at once, one cancelled it
             self.counted(job.model, "cancelled")
-        return cancelled
+        return after
 
     def wait_s(self, model: str) -> float:
         """Predicted seconds until the backlog of ``model`` has run, at the measured rate."""

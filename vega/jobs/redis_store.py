@@ -66,7 +66,10 @@ if depth >= tonumber(ARGV[2]) then return {3, tostring(depth)} end
 local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1])
 redis.call('HSET', KEYS[2], 'entry', entry, unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
-if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4] .. '|' .. ARGV[1], 'PX', ARGV[3]) end
+if ARGV[4] ~= '' then
+  redis.call('SET', KEYS[3], ARGV[4] .. '|' .. ARGV[1], 'PX', ARGV[3])
+  redis.call('HSET', KEYS[2], 'idem', KEYS[3])
+end
 return {0, ARGV[1]}
 """
 
@@ -114,7 +117,9 @@ return 'withdrawn'
 """
 
 # KEYS: job, stream, dlq, dead count. ARGV: status, finished ms, result ttl ms, entry,
-# outputs, error, dead-letter flag, dlq maxlen. A final record is never overwritten.
+# outputs, error, dead-letter flag, dlq maxlen, job id. A final record is never
+# overwritten. Its Idempotency-Key (same slot) lives as long as it: a job finished long
+# after its ttl (reached late in a deep backlog) outlives the key's first TTL.
 _FINISH = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status == 'queued' or status == 'running' then
@@ -129,6 +134,13 @@ if status == 'queued' or status == 'running' then
   end
   redis.call('HDEL', KEYS[1], 'inputs')
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  local idem = redis.call('HGET', KEYS[1], 'idem')
+  if idem then
+    local held = redis.call('GET', idem)
+    if held and string.sub(held, -(#ARGV[9] + 1)) == '|' .. ARGV[9] then
+      redis.call('PEXPIRE', idem, ARGV[3])
+    end
+  end
 end
 if ARGV[4] ~= '' then
   redis.call('XACK', KEYS[2], 'workers', ARGV[4])
@@ -253,10 +265,11 @@ class RedisStore:
         raw: Any = await self.cmd.hgetall(job_key(model, job_id))
         return _decode(job_id, model, raw) if raw and not _withdrawn(raw) else None
 
-    async def cancel(self, model: str, job_id: str) -> Job | None:
-        await self._scripts["cancel"](keys=[job_key(model, job_id), jobs_key(model)],
-                                      args=[wall_ms(), self.result_ttl_ms], client=self.cmd)
-        return await self.get(model, job_id)
+    async def cancel(self, model: str, job_id: str) -> tuple[Job | None, bool]:
+        code, _ = await self._scripts["cancel"](keys=[job_key(model, job_id), jobs_key(model)],
+                                                args=[wall_ms(), self.result_ttl_ms],
+                                                client=self.cmd)
+        return await self.get(model, job_id), int(code) == 1
 
     async def take(self, model: str, consumer: str, count: int) -> list[Job]:
         await self._group(model)
@@ -342,7 +355,7 @@ class RedisStore:
                   job_dead_key(job.model)],
             args=[status, wall_ms(), self.result_ttl_ms, job.entry, outputs,
                   orjson.dumps(error) if error is not None else b"", int(dead_letter),
-                  self.dlq_maxlen],
+                  self.dlq_maxlen, job.id],
             client=self.cmd)
 
     async def retry(self, job: Job, ran: bool = True) -> None:

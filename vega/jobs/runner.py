@@ -74,6 +74,8 @@ class JobRunner:
             while self.held_items >= self.hold_items:
                 self._room.clear()
                 await self._room.wait()
+            if not self.lane.taking.is_set():  # told to stop while it waited: claim nothing
+                continue
             count = max(1, (self.hold_items - self.held_items) // max(1, round(self.items_per_job)))
             reclaimed = False  # this pass reclaims too: every kind of store call
             try:
@@ -194,6 +196,13 @@ class JobRunner:
         except STORE_ERRORS as error:
             # Left pending in the store: reclaimed after VEGA_CLAIM_IDLE_MS (run again).
             log.warning("job %s: result not stored: %s", job.id, said(error))
+        except Exception:  # a bug: the job ends failed once, not held 'running' for good
+            log.exception("job %s: failed outside the model", job.id)
+            try:
+                await self._end(job, FAILED, error={
+                    "code": "internal_error", "message": "internal error; see the server log"})
+            except STORE_ERRORS:
+                pass
         finally:
             self.held.pop(job.id, None)
             self.held_items -= len(items)

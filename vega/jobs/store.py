@@ -106,7 +106,8 @@ class JobStore(Protocol):
 
     async def get(self, model: str, job_id: str) -> Job | None: ...
 
-    async def cancel(self, model: str, job_id: str) -> Job | None: ...
+    async def cancel(self, model: str, job_id: str) -> tuple[Job | None, bool]:
+        """The job after the attempt, and whether this call cancelled it."""
 
     async def take(self, model: str, consumer: str, count: int) -> list[Job]: ...
 
@@ -192,13 +193,13 @@ class MemoryStore:
         job = self._jobs.get(job_id)
         return job if job is not None and job.model == model else None
 
-    async def cancel(self, model: str, job_id: str) -> Job | None:
+    async def cancel(self, model: str, job_id: str) -> tuple[Job | None, bool]:
         job = await self.get(model, job_id)
         if job is None or job.state(wall_ms()) != QUEUED:
-            return job
+            return job, False
         self._model(model).queue.remove(job_id)
         self._close(job, CANCELLED)
-        return job
+        return job, True
 
     async def take(self, model: str, consumer: str, count: int) -> list[Job]:
         state = self._model(model)
