@@ -76,6 +76,12 @@ def echo(name: str) -> SequenceModel:
     return SequenceModel(_Echo(), name, channels=8, max_length=512, output_size=3)
 
 
+def echo_named_itself() -> SequenceModel:
+    """An adapter built with a name of its own: served under the attribute's or the
+    configured one all the same."""
+    return echo("its-own-name")
+
+
 def echo_fast(name: str) -> SequenceModel:
     """``echo`` without TEST_SLEEP_MS and its forward log: a fallback for it."""
     model = _Echo(fast=True)
@@ -163,6 +169,23 @@ def _per_step_module(per_patch: bool = False) -> Any:
         return PerStep().eval()
     finally:
         torch.random.set_rng_state(generator_state)
+
+
+def wide_steps(name: str) -> SequenceModel:
+    """24 values a step from 8: a full batch's answer is three times its input."""
+    import torch
+
+    class Wide(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 24)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.linear(x)
+            return out
+
+    torch.manual_seed(6)
+    return SequenceModel(Wide().eval(), name, channels=8, max_length=512)
 
 
 def per_step(name: str) -> SequenceModel:

@@ -7,6 +7,8 @@ import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import numpy as np
@@ -17,7 +19,7 @@ from tests.models import encoder_small, per_step
 from tests.servers import VegaProcess, served_device
 from vega.models import SequenceModel, load_model
 from vega.models.compiled import CompiledModel, PackageError, read_metadata
-from vega.models.export import ExportError, export_package
+from vega.models.export import ExportError, _agrees, export_package
 from vega.models.loader import ModelLoadError
 
 pytestmark = pytest.mark.slow  # started first (tests/scheduling.py): one compile, ~20 s
@@ -169,3 +171,19 @@ def test_a_per_step_package_answers_each_window_its_own_rows(tmp_path: Path) -> 
     for sample, rows in zip(samples, model.run(samples, 40)):
         assert rows.shape == (sample.shape[0], 3)
         np.testing.assert_allclose(rows, eager.run([sample], sample.shape[0])[0], atol=1e-5)
+
+
+def test_a_half_precision_answer_agrees_to_its_own_precision() -> None:
+    # A compiler that sums in another order differs in float16's last place, which a
+    # float32 tolerance refused: `vega export` refused every float16 module.
+    import torch
+
+    def halves(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return (x * 0.1).half().sum(-1)  # summed in float16
+
+    def compiled(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return (x * 0.1).sum(-1).half()  # summed in float32, then rounded
+
+    shape: Any = SimpleNamespace(max_length=32, channels=8)
+    assert _agrees(compiled, halves, shape, 1, "cpu")
+    assert not _agrees(lambda x, lengths: halves(x, lengths) + 0.01, halves, shape, 1, "cpu")

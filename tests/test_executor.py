@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+import uvloop
 
 from tests.infra import unavailable
 from tests.models import (FAIL_MARK, echo, encoder, per_patch, per_step, window,
@@ -233,6 +234,37 @@ async def test_a_raising_model_fails_only_its_batch_in_a_model_process() -> None
                                                              "model raised ValueError")
         assert fine.items[0].future.result()[1] == 4.0  # echo: [sum, length, batch size]
         assert executor.available and executor.restarts == 0
+    finally:
+        executor.shutdown()
+
+
+def test_an_answer_too_large_for_the_slot_crosses_whole_in_a_model_process() -> None:
+    # 32 windows of 512 steps, 24 values a step: 1.5 MB of float32, past the 1-MiB slot
+    # its inputs fit, so it comes inline. On uvloop, as `vega serve` runs, the loop's
+    # reader does not block: read as it came, it failed half-way and the child was taken
+    # for dead.
+    spec = "python:tests.models:wide_steps"
+    model = load_model(spec, "steps")
+    executor = Executor({"steps": model}, plan=ProcessPlan(
+        specs=((spec, "steps"),), device=DEVICE, torch_threads=1, slot_bytes=1 << 20,
+        timeout_s=30.0))
+    executor.load(DEVICE)
+    rows = [window(512, 0.1 * n) for n in range(32)]
+
+    async def run() -> list[Item]:
+        loop = asyncio.get_running_loop()
+        items = [Item(model="steps", sample=model.decode(r)[0], length=512, priority=1,
+                      deadline=loop.time() + 60, future=loop.create_future()) for r in rows]
+        await executor.run(Batch(model="steps", bucket=0, items=items, formed_at=loop.time(),
+                                 pad_to=512))
+        return items
+
+    try:
+        items = uvloop.run(run())
+        [alone] = model.run([model.decode(rows[5])[0]], 512)
+        assert [i.future.result().shape for i in items] == [(512, 24)] * 32
+        assert np.allclose(items[5].future.result(), alone, atol=1e-5)
+        assert executor.restarts == 0
     finally:
         executor.shutdown()
 

@@ -298,6 +298,7 @@ def test_outputs_come_back_as_float32_whatever_the_module_returns() -> None:
 def test_python_factory_and_bad_specs() -> None:
     model = load_model("python:tests.models:echo", "custom")
     assert model.name == "custom"
+    assert load_model("python:tests.models:echo_named_itself", "custom").name == "custom"
     for spec in ("nope", "python:tests.models", "python:no_such_module:x",
                  "torchscript:/no/such.pt"):
         with pytest.raises(ModelLoadError):

@@ -279,6 +279,7 @@ def test_rows_of_several_inputs_from_json_and_binary() -> None:
     ({"inputs": [{"name": "ids", "shape": [1, 1], "datatype": "INT64", "data": [1]},
                  {"name": "tag", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]}],
       "outputs": [{"name": "score"}, {"name": "score"}]}, "output 'score': asked for twice"),
+    ({"id": "a" * 257, "inputs": []}, "'id' must be a string of at most 256"),  # echoed back
 ])
 def test_bad_requests_name_what_is_wrong(doc: dict[str, Any], message: str) -> None:
     with pytest.raises(VegaError) as caught:

@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -41,6 +42,21 @@ log = logging.getLogger("vega.modelproc")
 
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 STABLE_AFTER_S = 60.0  # a child that lived this long resets the backoff
+
+
+INLINE_WAIT_S = 10  # the longest a payload still being written may hold the loop
+
+
+def _read_whole(reader: Connection) -> bytes:
+    """An inline payload read to its end, blocking while the child writes it (a copy; at
+    most INLINE_WAIT_S). The loop's reader does not block (uvloop makes it so), and a read
+    of megabytes not all written yet failed half-way, taken for the child's death."""
+    fd = reader.fileno()
+    os.set_blocking(fd, True)
+    try:
+        return reader.recv_bytes()
+    finally:
+        os.set_blocking(fd, False)
 
 
 class ModelProcessError(RuntimeError):
@@ -221,6 +237,9 @@ class ModelProcess:
     def _attach(self, life: _Life, loop: asyncio.AbstractEventLoop) -> None:
         life.loop = loop
         life.reader = Connection(os.dup(life.conn.fileno()), writable=False)
+        with socket.socket(fileno=os.dup(life.reader.fileno())) as sock:  # see _read_whole
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            struct.pack("ll", int(INLINE_WAIT_S), 0))
         loop.add_reader(life.reader.fileno(), self._readable, life)
 
     def _arm(self, life: _Life) -> None:
@@ -251,7 +270,7 @@ class ModelProcess:
         try:
             reply = orjson.loads(reader.recv_bytes())
             # The child writes an inline payload right after its header.
-            payload = reader.recv_bytes() if reply.get("inline") else None
+            payload = _read_whole(reader) if reply.get("inline") else None
         except (EOFError, OSError) as gone:
             self._lost(life, f"died during a batch ({type(gone).__name__})")
             return False

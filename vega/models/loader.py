@@ -93,6 +93,7 @@ def _python(target: str, name: str) -> ModelAdapter:
         raise _user_code_failed(target, "importing", exc) from None
     built = _built(found, target, name)
     if isinstance(built, ModelAdapter):
+        built.name = name  # served as the README says: the attribute's, or VEGA_MODEL_NAME
         return built
     return _wrap_module(built, name)
 

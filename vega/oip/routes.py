@@ -242,8 +242,9 @@ def parse_request(body: bytes, headers: Headers, adapter: ModelAdapter,
     if unknown:
         raise invalid_input(f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
     request_id = doc.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise invalid_input("'id' must be a string")
+    if request_id is not None and not (isinstance(request_id, str) and len(request_id) <= 256):
+        # Echoed in the answer, and kept with it for Idempotency-Key replays: as /v1's.
+        raise invalid_input("'id' must be a string of at most 256 characters")
     params = _parameters(doc.get("parameters"), "parameters")
     for key in UNSUPPORTED_PARAMETERS:
         if params.get(key):
