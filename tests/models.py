@@ -147,8 +147,8 @@ def encoder_wide(name: str) -> SequenceModel:
 
 
 
-def _per_step_module(per_patch: bool = False) -> Any:
-    """A user's per-timestep labeller, an eager module: [B, L, 8] -> [B, L, 3]. Each step's
+def _per_step_module(per_patch: bool = False, width: int = 3) -> Any:
+    """A user's per-timestep labeller, an eager module: [B, L, 8] -> [B, L, width]. Each step's
     output reads that step and the one before, so the rows past a window's length in a
     padded batch answer only the padding. ``per_patch``: one row per 8 steps instead."""
     import torch
@@ -156,7 +156,7 @@ def _per_step_module(per_patch: bool = False) -> Any:
     class PerStep(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.linear = torch.nn.Linear(8, 3)
+            self.linear = torch.nn.Linear(8, width)
 
         def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
             before = torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
@@ -173,19 +173,7 @@ def _per_step_module(per_patch: bool = False) -> Any:
 
 def wide_steps(name: str) -> SequenceModel:
     """24 values a step from 8: a full batch's answer is three times its input."""
-    import torch
-
-    class Wide(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(8, 24)
-
-        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.linear(x)
-            return out
-
-    torch.manual_seed(6)
-    return SequenceModel(Wide().eval(), name, channels=8, max_length=512)
+    return SequenceModel(_per_step_module(width=24), name, channels=8, max_length=512)
 
 
 def per_step(name: str) -> SequenceModel:
