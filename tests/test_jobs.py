@@ -18,6 +18,7 @@ from tests.infra import RedisServer
 from tests.inproc import in_process
 from tests.models import FAIL_MARK, echo, window
 from vega.channel.keys import jobs_key
+from vega.errors import VegaError
 from vega.jobs.redis_store import RedisStore
 from vega.jobs.store import Job, MemoryStore, Submitted, new_id, wall_ms
 from vega.runtime import Runtime
@@ -589,3 +590,23 @@ async def test_a_runner_claims_nothing_once_told_to_stop_taking(
         later = [job_id for job_id in ids if job_id not in held and
                  (await client.get(f"/v1/jobs/{job_id}")).json()["status"] != "queued"]
         assert later == [], f"{len(later)} job(s) claimed after stop_taking"
+
+
+async def test_the_memory_store_bounds_the_bytes_of_the_inputs_it_holds() -> None:
+    # Counted in jobs alone, 12-KB gzip bodies inflating to 4 MB each held 9 MB apiece:
+    # the bound of 10,000 jobs was 90 GB.
+    store = MemoryStore(60, 100, max_bytes=100)
+    now = wall_ms()
+
+    def job(size: int) -> Job:
+        return Job(id=new_id(), model="m", instances=b"x" * size, single=True, priority=0,
+                   created_ms=now, expires_ms=now + 60_000)
+
+    first = job(60)
+    assert (await store.submit(first, None, "", 10)).created
+    with pytest.raises(VegaError) as refused:
+        await store.submit(job(60), None, "", 10)
+    assert refused.value.code == "queue_full" and store.held_bytes == 60
+    [taken] = await store.take("m", "me", 1)
+    await store.finish(taken, "done", b"[1]")  # its inputs are let go with it
+    assert store.held_bytes == 0 and (await store.submit(job(60), None, "", 10)).created

@@ -334,6 +334,9 @@ class Settings:
     jobs_max_depth: int = setting("10000", _int(1), "an integer >= 1",
         "Most jobs queued or running per model (POST /v1/jobs past it: 429 queue_full); "
         "without VEGA_REDIS_URL they are held in this process's memory.")
+    jobs_memory_bytes: int = setting("268435456", _int(1), "an integer >= 1",
+        "Without VEGA_REDIS_URL: most bytes of job inputs held in this process's memory, "
+        "queued or running (POST /v1/jobs past it: 429 queue_full).")
     jobs_default_ttl_s: float = setting("600", _float(0.001), "a number > 0",
         "How long a job may wait to run when its body names no ttl_s.")
     jobs_max_ttl_s: float = setting("86400", _float(0.001), "a number > 0",

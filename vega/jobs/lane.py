@@ -39,7 +39,7 @@ class JobLane:
         self.store: JobStore = (
             RedisStore(s.redis_url, s.redis_timeout_ms / 1000, s.jobs_result_ttl_s,
                        s.stream_maxlen) if s.redis_url
-            else MemoryStore(s.jobs_result_ttl_s, s.jobs_max_depth))
+            else MemoryStore(s.jobs_result_ttl_s, s.jobs_max_depth, s.jobs_memory_bytes))
         self.runners: dict[str, JobRunner] = {}
         self.stats: dict[str, Stats] = {}
         self.counts: dict[str, dict[str, int]] = {}

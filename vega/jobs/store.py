@@ -147,17 +147,22 @@ class _Model:
 
 
 class MemoryStore:
-    """Jobs in this process: bounded by the max depth, lost when the process ends.
+    """Jobs in this process: bounded by the max depth and the bytes of their inputs, lost
+    when the process ends.
 
     Finished jobs are kept for ``result_ttl_s``, and at most ``max_results`` of them
-    (oldest dropped first), so memory stays bounded whatever the traffic.
+    (oldest dropped first), so memory stays bounded whatever the traffic. The inputs of
+    jobs not finished are bounded in bytes: a gzip body of 12 KB inflates to 4 MB.
     """
 
     durable = False
 
-    def __init__(self, result_ttl_s: float, max_results: int) -> None:
+    def __init__(self, result_ttl_s: float, max_results: int,
+                 max_bytes: int = 1 << 28) -> None:
         self.result_ttl_ms = int(1000 * result_ttl_s)
         self.max_results = max_results
+        self.max_bytes = max_bytes
+        self.held_bytes = 0  # the inputs of the jobs not finished
         self._jobs: dict[str, Job] = {}
         self._finished: OrderedDict[str, int] = OrderedDict()  # id -> when it goes (ms)
         self._keys: dict[tuple[str, str], tuple[str, str]] = {}  # (model, key) -> (print, id)
@@ -180,6 +185,10 @@ class MemoryStore:
         depth = len(model.queue) + len(model.running)
         if depth >= max_depth:
             raise queue_full(depth, max_depth)
+        if self.held_bytes + len(job.instances) > self.max_bytes:
+            raise VegaError("queue_full", f"job inputs held here at their bound "
+                            f"({self.held_bytes} of {self.max_bytes} bytes)")
+        self.held_bytes += len(job.instances)
         self._jobs[job.id] = job
         model.queue.append(job.id)
         model.arrived.set()
@@ -261,6 +270,7 @@ class MemoryStore:
         return None
 
     def _close(self, job: Job, status: str) -> None:
+        self.held_bytes -= len(job.instances)
         job.status, job.instances, job.finished_ms = status, b"", wall_ms()
         self._finished[job.id] = job.finished_ms + self.result_ttl_ms
         while len(self._finished) > self.max_results:
