@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -127,6 +128,18 @@ def test_a_whole_request_with_a_head_over_64_kib_is_431(
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
     assert b'"code":"headers_too_large"' in reply
+
+
+def test_a_head_over_64_kib_sent_in_two_reads_is_431(server: VegaProcess) -> None:
+    # The read a request begins in counts too: it was dropped, and a head of 70 KB sent
+    # as 70 KB then the rest was served.
+    body = orjson.dumps({"inputs": window(8)})
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000)
+        time.sleep(0.3)  # read on its own
+        sock.sendall(b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
 
 
 def test_still_serving_after_all_that(client: httpx.Client, server: VegaProcess) -> None:

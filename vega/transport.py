@@ -87,6 +87,8 @@ class OneWriteProtocol(HttpToolsProtocol):
         super().connection_made(cast(asyncio.Transport, JoinedWrites(
             cast(asyncio.Transport, transport))))
         self._head_bytes = 0  # read while a request's headers are not all in; -1 once they are
+        self._reading = 0  # the size of the read being parsed
+        self._began_in = 0  # the size of the read the request began in
         self._refused = False
 
     def data_received(self, data: bytes) -> None:
@@ -94,21 +96,21 @@ class OneWriteProtocol(HttpToolsProtocol):
             return
         if self._head_bytes >= 0:
             self._head_bytes += len(data)
+        self._reading = len(data)
         super().data_received(data)
         if self._head_bytes > MAX_HEAD_BYTES:
             self._refuse_head()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes = 0
+        self._head_bytes, self._began_in = 0, self._reading
 
     def on_headers_complete(self) -> None:
-        read, self._head_bytes = self._head_bytes, -1
-        # Bytes read since the message began bound its head, unless the head came whole in
-        # a read that also held its body, or began inside one (pipelined): then measure
-        # the request line and headers uvicorn has parsed. No request is started for one
-        # over the bound.
-        if not 0 < read <= MAX_HEAD_BYTES and len(self.url) + sum(
+        read, self._head_bytes = self._began_in + self._head_bytes, -1
+        # The reads since the message began (the first whole: a part of it may be the
+        # request before, or this one's body) bound its head; past the bound, measure the
+        # request line and headers uvicorn has parsed. No request is started for one over.
+        if read > MAX_HEAD_BYTES and len(self.url) + sum(
                 len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEAD_BYTES:
             self._refuse_head()
             return
