@@ -168,6 +168,19 @@ def test_a_caller_that_stops_mid_body_does_not_hold_the_stop(
         assert server.proc is not None and server.proc.wait(15) == 0
 
 
+def test_a_body_that_never_finishes_is_answered_once_no_deadline_could_be_met(
+        vega: Callable[..., VegaProcess]) -> None:
+    # Held open, it held its bytes and its connection for good (4 MB each, a few
+    # hundred such connections a server's memory).
+    server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_MAX_DEADLINE_MS="1000")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as stalled:
+        stalled.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 1000\r\n\r\n{\"inputs\": [")  # and no more
+        reply = stalled.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 504"), reply[:100]
+    assert b'"code":"deadline_exceeded"' in reply
+
+
 async def test_drain_on_sigterm_answers_everything_admitted(
         vega: Callable[..., VegaProcess]) -> None:
     server = vega(VEGA_MODEL="python:tests.models:echo", TEST_SLEEP_MS="150",

@@ -7,6 +7,7 @@ hang-up check. Nothing here knows the runtime.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import zlib
@@ -142,8 +143,10 @@ def error_response(error: VegaError) -> Response:
     return json_response(error.body(), error.status, error.headers())
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, or 413 as soon as it is known to be over ``limit``.
+async def read_body(request: Request, limit: int, wait_s: float) -> bytes:
+    """The whole body, or 413 as soon as it is known to be over ``limit``; 504 when it
+    has not all come within ``wait_s`` (the longest deadline: no answer could be in time,
+    and a body held open would hold its bytes and its connection for good).
 
     Read from the ASGI messages themselves: Starlette's stream generator costs more loop
     time than the read. A caller that hangs up meanwhile raises ClientDisconnect.
@@ -157,8 +160,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     receive = request.receive
     chunks: list[bytes] = []
     size = 0
+    late_at: float | None = None
     while True:
-        message = await receive()
+        if late_at is None:  # the first read: in one, most often, and then no timer
+            message = await receive()
+        else:
+            try:
+                async with asyncio.timeout_at(late_at):
+                    message = await receive()
+            except TimeoutError:
+                raise VegaError("deadline_exceeded", f"the body did not arrive within "
+                                f"{wait_s:g} s") from None
         if message["type"] != "http.request":
             raise ClientDisconnect()
         chunk = message.get("body", b"")
@@ -168,6 +180,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)  # one chunk comes back as it is, not copied
+        if late_at is None:
+            late_at = asyncio.get_running_loop().time() + wait_s
 
 
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:

@@ -132,6 +132,7 @@ class Guard:
         self.later = later
         self.refuse_early = refuse_early  # (request, model): may load refuse it unparsed?
         self.max_body_bytes = runtime.settings.max_body_bytes
+        self.body_wait_s = runtime.settings.max_deadline_ms / 1000
 
     async def __call__(self, request: Request) -> Sent:
         started = asyncio.get_running_loop().time()
@@ -178,7 +179,7 @@ class Guard:
                 raise
             for check in self.checks:
                 check(request)
-            body = await read_body(request, self.max_body_bytes)
+            body = await read_body(request, self.max_body_bytes, self.body_wait_s)
             kept = body if later is not None else None
             # Then before parsing it, for the class its text names (the header's if it
             # names none): the parse was a third of what a refusal cost the loop. A loop
@@ -220,8 +221,8 @@ class Guard:
         under a flood of critical work its refusals count as critical, which the
         VegaCriticalRefused alert reads."""
         try:
-            scanned = self.dialect.claimed(request, await read_body(request,
-                                                                     self.max_body_bytes))
+            scanned = self.dialect.claimed(request, await read_body(
+                request, self.max_body_bytes, self.body_wait_s))
         except (VegaError, ClientDisconnect):
             return default
         return default if scanned is None else scanned

@@ -75,7 +75,8 @@ class JobsApi:
         name = request.path_params.get("name") or self.runtime.default_model
         priority = NORMAL
         try:
-            body = await read_body(request, self.settings.max_body_bytes)
+            body = await read_body(request, self.settings.max_body_bytes,
+                                   self.settings.max_deadline_ms / 1000)
             reply, priority = await self._submit(request, name, body, with_ttl=True)
         except VegaError as error:
             reply = _refusal(error)
@@ -96,7 +97,8 @@ class JobsApi:
             return refused
         try:
             if body is None:  # refused before its body was read
-                body = await read_body(request, self.settings.max_body_bytes)
+                body = await read_body(request, self.settings.max_body_bytes,
+                                       self.settings.max_deadline_ms / 1000)
             reply, _ = await self._submit(request, name, body, with_ttl=False)
         except VegaError as error:
             return refused if error.code in TURNED else _refusal(error)
