@@ -82,6 +82,19 @@ def echo_named_itself() -> SequenceModel:
     return echo("its-own-name")
 
 
+def sampled(name: str) -> Any:
+    """A module whose answers are draws (dropout kept on, say): it says so."""
+    import torch
+
+    class Draws(torch.nn.Module):
+        vega_deterministic = False
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.sum(dim=1) + torch.rand(x.shape[0], 8)
+
+    return Draws()
+
+
 def echo_fast(name: str) -> SequenceModel:
     """``echo`` without TEST_SLEEP_MS and its forward log: a fallback for it."""
     model = _Echo(fast=True)

@@ -299,6 +299,8 @@ def test_python_factory_and_bad_specs() -> None:
     model = load_model("python:tests.models:echo", "custom")
     assert model.name == "custom"
     assert load_model("python:tests.models:echo_named_itself", "custom").name == "custom"
+    # A module that says its answers are draws is not cached (docs/pressure.md).
+    assert not load_model("python:tests.models:sampled").deterministic
     for spec in ("nope", "python:tests.models", "python:no_such_module:x",
                  "torchscript:/no/such.pt"):
         with pytest.raises(ModelLoadError):

@@ -143,9 +143,9 @@ def _user_code_failed(target: str, doing: str, error: Exception) -> ModelLoadErr
 
 
 def _wrap_module(module: Any, name: str) -> ModelAdapter:
-    """A bare torch module: its ``vega_channels``/``vega_max_length``/``vega_version``
-    attributes, else 8/512/"1"; one that takes no ``lengths`` or holds other than float32
-    weights, fitted to them."""
+    """A bare torch module: its ``vega_channels``/``vega_max_length``/``vega_version``/
+    ``vega_deterministic`` attributes, else 8/512/"1"/True; one that takes no ``lengths``
+    or holds other than float32 weights, fitted to them."""
     if not callable(module):
         raise ModelLoadError(f"model {name!r} is neither an adapter nor a torch module")
     from vega.models.fitted import fitted
@@ -156,8 +156,10 @@ def _wrap_module(module: Any, name: str) -> ModelAdapter:
     if not VERSION.fullmatch(version):  # one segment of /v2/models/{name}/versions/{version}
         raise ModelLoadError(f"model {name!r}: vega_version {version!r} is not 1-64 letters, "
                              "digits, '.', '_' or '-'")
-    return SequenceModel(fitted(module), name, channels=channels, max_length=max_length,
-                         version=version)
+    adapter = SequenceModel(fitted(module), name, channels=channels, max_length=max_length,
+                            version=version)
+    adapter.deterministic = bool(getattr(module, "vega_deterministic", True))  # for the cache
+    return adapter
 
 
 def check_fallback(spec: str, main: ModelAdapter, fallback: ModelAdapter,
