@@ -198,13 +198,14 @@ class Admission:
         finish = now + ahead_s + self.config.margin_s
         size = batcher.config.max_batch_size
         worst = own_s = 0.0
-        for bucket, mine in Counter(buckets).items():
+        counts = ((buckets[0], 1),) if len(buckets) == 1 else Counter(buckets).items()
+        for bucket, mine in counts:
             waiting = batcher.bucket_depth(bucket) + mine
             # A batch that will not fill waits out the window before it runs.
             wait_s = 0.0 if waiting >= size else batcher.config.max_wait_s
             worst = max(worst, wait_s + batcher.times.predict(bucket, min(size, waiting)))
-            # The full batches its own items need past that one, one after another.
-            own_s += (mine - 1) // size * batcher.times.predict(bucket, size)
+            if mine > size:  # the full batches its own items need past that one, in turn
+                own_s += (mine - 1) // size * batcher.times.predict(bucket, size)
         worst += own_s / batcher.config.parallelism
         if finish + worst > deadline:
             raise VegaError("deadline_unmeetable",
