@@ -15,6 +15,7 @@ import pytest
 from redis import exceptions as rexc
 
 from tests.infra import RedisServer
+from tests.inproc import in_process
 from tests.models import forwarded, window
 from tests.servers import VegaProcess
 from vega.calls import Reply
@@ -255,3 +256,48 @@ async def test_an_answer_never_replaces_a_lock_a_peer_holds(
         for store in (here, peer):
             assert store.redis is not None
             await store.redis.close()
+
+
+# -- one key on /v1 and /v2 ----------------------------------------------------------
+
+DIALECTS_ENV = {"VEGA_MODEL": "sensor", "VEGA_CACHE_BYTES": "1000000", "VEGA_LENGTH_BUCKETS": "16"}
+WINDOW = [[0.1 * i + 0.01 * c for c in range(8)] for i in range(2)]
+# A valid v2 body, written as orjson writes it with sorted keys (what /v1 fingerprints).
+V2_BODY = orjson.dumps({"id": "a", "inputs": [{"data": WINDOW, "datatype": "FP32",
+                                               "name": "INPUT__0", "shape": [1, 2, 8]}]},
+                       option=orjson.OPT_SORT_KEYS)
+
+
+async def test_a_key_used_on_v1_then_v2_is_a_conflict_not_a_replay() -> None:
+    async with in_process(DIALECTS_ENV) as (client, _):
+        first = await client.post("/v1/infer", content=V2_BODY, headers={"Idempotency-Key": "k"})
+        assert first.status_code == 422  # v1 cannot read tensors: remembered (422 is kept)
+        second = await client.post("/v2/models/sensor/infer", content=V2_BODY,
+                                   headers={"Idempotency-Key": "k"})
+        # One key on both protocols is a conflict, not /v1's error replayed to /v2.
+        assert second.headers.get("idempotent-replayed") is None, second.text
+        assert second.status_code == 422 and "different request body" in second.text
+
+
+async def test_a_v2_answer_is_not_replayed_to_v1() -> None:
+    async with in_process(DIALECTS_ENV) as (client, _):
+        first = await client.post("/v2/models/sensor/infer", content=V2_BODY,
+                                  headers={"Idempotency-Key": "k"})
+        assert first.status_code == 200 and "model_name" in first.json()
+        plain = await client.post("/v1/infer", content=V2_BODY)
+        assert plain.status_code == 422  # what /v1 answers this body
+        second = await client.post("/v1/infer", content=V2_BODY,
+                                   headers={"Idempotency-Key": "k"})
+        assert "model_name" not in second.text, second.text  # a /v2 answer on /v1
+        assert second.status_code == 422 and "different request body" in second.text
+
+
+async def test_a_replay_does_not_claim_a_cache_miss() -> None:
+    async with in_process(DIALECTS_ENV) as (client, _):
+        body = orjson.dumps({"inputs": WINDOW})
+        first = await client.post("/v1/infer", content=body, headers={"Idempotency-Key": "c"})
+        assert first.headers["x-vega-cache"] == "miss"
+        again = await client.post("/v1/infer", content=body, headers={"Idempotency-Key": "c"})
+        assert again.headers["idempotent-replayed"] == "true"
+        # The replay came from the idempotency store, not from a cache lookup that missed.
+        assert again.headers.get("x-vega-cache") != "miss", dict(again.headers)

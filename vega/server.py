@@ -114,7 +114,10 @@ class V1:
         shape = "1" if single else "n"  # the answer echoes the id: it keys a cached one too
         return Call(request, self, model, instances, priority, deadline_ms,
                     variant=shape if ident is None else f"{shape}:{ident}",
-                    fingerprint=fingerprint(doc) if keyed else "", context=(single, ident))
+                    # Named for its protocol: one key on /v1 and /v2 is a conflict, not a
+                    # replay of the other's answer.
+                    fingerprint=f"v1:{fingerprint(doc)}" if keyed else "",
+                    context=(single, ident))
 
     def render(self, call: Call, answer: Answer) -> Reply:
         single, ident = call.context

@@ -102,7 +102,9 @@ def idempotent(store: Idempotency, inner: Handler) -> Handler:
         try:
             reply = await inner(call)
         finally:
-            await store.finish(claim, None if reply is None else reply.without("Server-Timing"))
+            # What only its first sending carries: a replay is neither timed nor a cache hit.
+            await store.finish(claim, None if reply is None
+                               else reply.without("Server-Timing", "X-Vega-Cache"))
         return reply
     return once
 

@@ -130,7 +130,8 @@ class OipApi:
         variant = orjson.dumps([parsed.id, outputs])
         return Call(request, self, model, parsed.instances, parsed.priority, parsed.deadline_ms,
                     variant=variant.decode(),
-                    fingerprint=hashlib.blake2b(body, digest_size=16).hexdigest() if keyed else "",
+                    fingerprint="v2:" + hashlib.blake2b(body, digest_size=16).hexdigest()
+                    if keyed else "",
                     context=parsed)
 
     def render(self, call: Call, answer: Answer) -> Reply:
