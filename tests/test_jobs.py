@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from tests.infra import RedisServer
-from tests.inproc import in_process
+from tests.inproc import app_in_process, in_process
 from tests.models import FAIL_MARK, echo, window
 from vega.channel.keys import jobs_key
 from vega.errors import VegaError
@@ -610,3 +610,46 @@ async def test_the_memory_store_bounds_the_bytes_of_the_inputs_it_holds() -> Non
     [taken] = await store.take("m", "me", 1)
     await store.finish(taken, "done", b"[1]")  # its inputs are let go with it
     assert store.held_bytes == 0 and (await store.submit(job(60), None, "", 10)).created
+
+
+async def test_a_request_too_large_to_queue_inline_becomes_a_job_when_asked() -> None:
+    # 10 instances against a normal bound of 8: inline no retry fits (422); a caller that
+    # would take a job (respond-async) gets one, as for a refusal for load.
+    async with served(VEGA_QUEUE_CAPACITY="16", VEGA_NORMAL_WATERMARK="0.5") as (client, _, _m):
+        body = orjson.dumps({"instances": [window(4, 0.5)] * 10})
+        plain = await client.post("/v1/infer", content=body)
+        assert plain.status_code == 422 and "send fewer" in plain.text
+        turned = await client.post("/v1/infer", content=body,
+                                   headers={"Prefer": "respond-async"})
+        assert turned.status_code == 202, turned.text
+        assert (await until_final(client, turned.json()["id"]))["status"] == "done"
+
+
+async def test_a_job_body_slower_than_any_inline_deadline_is_taken() -> None:
+    # The inline bound on a body (VEGA_MAX_DEADLINE_MS) is not a job's: it may wait hours.
+    env = {**BASE, "VEGA_MAX_DEADLINE_MS": "1000", "VEGA_DEFAULT_DEADLINE_MS": "500"}
+    async with app_in_process(env, [echo("echo")]) as (app, _):
+        body = orjson.dumps({"instances": [window(4)], "ttl_s": 600})
+        parts = [body[:10], body[10:]]
+
+        async def receive() -> dict[str, Any]:
+            if len(parts) == 1:
+                await asyncio.sleep(1.5)  # a slow uplink
+            if parts:
+                chunk = parts.pop(0)
+                return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        sent: list[MutableMapping[str, Any]] = []
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/jobs",
+                 "raw_path": b"/v1/jobs", "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"vega"), (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await app(scope, receive, send)
+        assert sent[0]["status"] == 202, sent

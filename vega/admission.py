@@ -17,7 +17,7 @@ from typing import Protocol
 
 from vega.batcher import Batcher
 from vega.config import Settings
-from vega.errors import VegaError, invalid_input
+from vega.errors import VegaError
 from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES, SHEDDABLE
 
 MIN_RETRY_MS = 50.0
@@ -43,6 +43,11 @@ class AdmissionConfig:
         return cls(queue_capacity=s.queue_capacity, shed_watermark=s.shed_watermark,
                    normal_watermark=s.normal_watermark, rate_limit=s.rate_limit, burst=s.burst,
                    margin_s=s.deadline_margin_ms / 1000, standing_target_s=s.codel_target_ms / 1000)
+
+
+class Oversized(VegaError):
+    """422: more instances than the request's class may ever queue. Inline, no retry
+    fits it; a caller that would take a job instead (respond-async) gets one."""
 
 
 class TokenBucket:
@@ -144,9 +149,9 @@ class Admission:
             return
         if 0 < limit < count:  # no retry could fit it, where a 429 would promise one
             # (a watermark of 0 sheds the whole class: that is the 429 below)
-            raise invalid_input(f"{count} instances, more than this process queues for "
-                                f"{PRIORITY_NAMES[priority]} requests ({limit}): send fewer "
-                                "per request")
+            raise Oversized("invalid_input", f"{count} instances, more than this process "
+                            f"queues for {PRIORITY_NAMES[priority]} requests ({limit}): send "
+                            "fewer per request")
         code = "shed" if priority == SHEDDABLE else "queue_full"
         excess = depth + count - limit
         raise VegaError(code, f"queue at its bound for {PRIORITY_NAMES[priority]} requests",

@@ -17,6 +17,7 @@ from typing import Protocol
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
+from vega.admission import Oversized
 from vega.calls import Call, Dialect, Handler, Reply
 from vega.errors import REFUSALS, VegaError
 from vega.httpio import Sent, hung_up, parse_deadline_ms, read_body
@@ -45,6 +46,8 @@ def core(runtime: Runtime) -> Handler:
         try:
             answer = await runtime.infer(call.model, call.instances, call.priority,
                                          call.deadline_ms, gone)
+        except Oversized:
+            raise  # the Guard's to answer: a caller that would take a job gets one
         except VegaError as error:
             return call.dialect.refusal(error)
         except ClientGone:
@@ -162,6 +165,7 @@ class Guard:
         model, priority = "", NORMAL
         later = self.later if self.later is not None and self.later.wants(request) else None
         kept: bytes | None = None  # the body, only for a refusal that may become a job
+        oversized = False  # too many instances to queue inline: a job may take them
         lag = self.runtime.lag
         lag.touch()
         try:
@@ -205,12 +209,12 @@ class Guard:
         except LoopLate as error:  # a job would be more work for the loop, not less
             return self.refusal(request, error), model, priority
         except VegaError as error:
-            reply = self.refusal(request, error)
+            reply, oversized = self.refusal(request, error), isinstance(error, Oversized)
         except (ClientGone, ClientDisconnect):
             return DISCONNECTED, model, priority
         except Exception:
             return self.dialect.refusal(internal_error(request)), model, priority
-        if later is not None and reply.outcome in LOAD_REFUSALS:
+        if later is not None and (reply.outcome in LOAD_REFUSALS or oversized):
             try:
                 reply = await later.turn(request, model, kept, reply)
             except Exception:  # the refusal stands; the bug is logged

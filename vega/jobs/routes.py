@@ -76,7 +76,7 @@ class JobsApi:
         priority = NORMAL
         try:
             body = await read_body(request, self.settings.max_body_bytes,
-                                   self.settings.max_deadline_ms / 1000)
+                                   self.settings.jobs_max_ttl_s)  # no job runs after it
             reply, priority = await self._submit(request, name, body, with_ttl=True)
         except VegaError as error:
             reply = _refusal(error)
@@ -92,13 +92,12 @@ class JobsApi:
 
     async def turn(self, request: Request, name: str, body: bytes | None,
                    refused: Reply) -> Reply:
-        """A /v1/infer refusal, as a job: 202, or the refusal when the job is refused too."""
-        if refused.outcome not in TURNED:
-            return refused
+        """A /v1/infer refusal for load (or too many instances to queue inline), as a job:
+        202, or the refusal when the job is refused too. The Guard picks which."""
         try:
             if body is None:  # refused before its body was read
                 body = await read_body(request, self.settings.max_body_bytes,
-                                       self.settings.max_deadline_ms / 1000)
+                                       self.settings.jobs_max_ttl_s)
             reply, _ = await self._submit(request, name, body, with_ttl=False)
         except VegaError as error:
             return refused if error.code in TURNED else _refusal(error)
