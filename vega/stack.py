@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -146,18 +147,23 @@ class Guard:
         if outcome == "ok" and (gone := request.scope.get("vega.gone")) is not None and gone():
             outcome = "disconnected"  # its batch ran, then nobody took the answer
         hold = counted(self.runtime, model, priority, outcome, started)
-        if hold > 0:  # not past the request's deadline: its caller has given up by then
+        if hold > 0:
             await asyncio.sleep(min(hold, self._left_s(request, started)))
         return Sent(reply)
 
     def _left_s(self, request: Request, started: float) -> float:
+        """What is left of the deadline the request named (its caller's timeout: past it,
+        the caller has given up and reconnects, dearer than a resend); unbounded when it
+        named none, as a caller that waits for its answer is what the pacer slows."""
         deadline_ms = request.scope.get("vega.deadline_ms")  # set once the body is parsed
         if deadline_ms is None:
+            named = request.headers.get("x-vega-deadline-ms")
             try:
-                deadline_ms = parse_deadline_ms(request.headers.get("x-vega-deadline-ms"),
-                                                self.runtime.settings)
+                deadline_ms = parse_deadline_ms(named, self.runtime.settings) if named else None
             except VegaError:
-                deadline_ms = self.runtime.settings.default_deadline_ms
+                deadline_ms = None
+        if deadline_ms is None:
+            return math.inf
         return max(0.0, started + deadline_ms / 1000 - asyncio.get_running_loop().time())
 
     async def reply(self, request: Request) -> tuple[Reply, str, int]:
@@ -202,7 +208,8 @@ class Guard:
                                       keyed="idempotency-key" in request.headers)
             del body
             priority = call.priority
-            request.scope["vega.deadline_ms"] = call.deadline_ms
+            if call.deadline_ms != self.runtime.settings.default_deadline_ms:  # named
+                request.scope["vega.deadline_ms"] = call.deadline_ms
             if late and scanned is None:  # the class only the parse could tell
                 lag.check(priority)
             reply = await self.handler(call)
