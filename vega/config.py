@@ -255,8 +255,7 @@ class Settings:
         "Most 429s sent per second, evenly spaced: one sooner than its turn waits for it, "
         "so callers ignoring Retry-After cannot swamp the loop (0 = off).")
     refusal_max_hold_ms: float = setting("2000", _float(0, 60_000), "a number 0-60000",
-        "Longest a paced 429 is held before it is sent (never past a deadline the request "
-        "named).")
+        "Longest a paced 429 is held (never past a deadline the request named).")
     default_deadline_ms: float = setting("1000", _float(1), "a number >= 1",
         "Deadline of a request that names none.")
     max_deadline_ms: float = setting("30000", _float(1), "a number >= 1",
