@@ -180,12 +180,34 @@ async def test_deadline_header_and_priority_header_are_honoured(echo: httpx.Asyn
     response = await post(echo, {"inputs": window(8), "priority": None, "deadline_ms": None},
                     headers={"X-Vega-Priority": "critical", "X-Vega-Deadline-Ms": "9000"})
     assert response.status_code == 200
-    # 1 ms cannot cover the batching window (2 ms): refused up front, not run late.
+    # 1 ms cannot cover the batching window (2 ms) even on an empty queue: refused up
+    # front, not run late, and not told to retry (no retry could meet it).
     hopeless = await post(echo, {"inputs": window(8)}, headers={"X-Vega-Deadline-Ms": "1"})
-    assert hopeless.status_code == 429 and error_of(hopeless) == "deadline_unmeetable"
-    assert int(hopeless.headers["retry-after"]) >= 1
+    assert hopeless.status_code == 422 and error_of(hopeless) == "invalid_input"
+    assert "with nothing queued" in hopeless.json()["error"]["message"]
+    assert "retry-after" not in hopeless.headers
     metrics = (await echo.get("/metrics")).text
     assert 'vega_requests_total{model="echo",outcome="ok",priority="critical"}' in metrics
+
+
+async def test_a_deadline_counts_from_arrival_not_from_the_last_byte_of_the_body(
+        echo: httpx.AsyncClient) -> None:
+    body = orjson.dumps({"inputs": window(8)})
+
+    async def slowly() -> AsyncIterator[bytes]:
+        yield body[:10]
+        await asyncio.sleep(0.5)  # a slow upload outlives the deadline it names
+        yield body[10:]
+
+    late = await echo.post("/v1/infer", content=slowly(),
+                           headers={"X-Vega-Deadline-Ms": "200"})
+    assert late.status_code == 504 and error_of(late) == "deadline_exceeded"
+    # The idempotent path counts from arrival too: the expired attempt is not kept.
+    keyed = await echo.post("/v1/infer", content=slowly(),
+                            headers={"X-Vega-Deadline-Ms": "200", "Idempotency-Key": "slow"})
+    assert keyed.status_code == 504
+    assert (await post(echo, {"inputs": window(8)}, headers={"Idempotency-Key": "slow"})
+            ).status_code == 200
 
 
 async def test_status_models_metrics_and_health(echo: httpx.AsyncClient) -> None:

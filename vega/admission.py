@@ -45,9 +45,10 @@ class AdmissionConfig:
                    margin_s=s.deadline_margin_ms / 1000, standing_target_s=s.codel_target_ms / 1000)
 
 
-class Oversized(VegaError):
-    """422: more instances than the request's class may ever queue. Inline, no retry
-    fits it; a caller that would take a job instead (respond-async) gets one."""
+class NeverFits(VegaError):
+    """422: a request no retry could fit inline, where a 429 would promise one: more
+    instances than its class may ever queue, or a deadline shorter than its own batches
+    take with nothing ahead. A caller that would take a job (respond-async) gets one."""
 
 
 class TokenBucket:
@@ -149,7 +150,7 @@ class Admission:
             return
         if 0 < limit < count:  # no retry could fit it, where a 429 would promise one
             # (a watermark of 0 sheds the whole class: that is the 429 below)
-            raise Oversized("invalid_input", f"{count} instances, more than this process "
+            raise NeverFits("invalid_input", f"{count} instances, more than this process "
                             f"queues for {PRIORITY_NAMES[priority]} requests ({limit}): send "
                             "fewer per request")
         code = "shed" if priority == SHEDDABLE else "queue_full"
@@ -205,18 +206,28 @@ class Admission:
         worst = own_s = 0.0
         counts = ((buckets[0], 1),) if len(buckets) == 1 else Counter(buckets).items()
         for bucket, mine in counts:
-            waiting = batcher.bucket_depth(bucket) + mine
-            # A batch that will not fill waits out the window before it runs.
-            wait_s = 0.0 if waiting >= size else batcher.config.max_wait_s
-            worst = max(worst, wait_s + batcher.times.predict(bucket, min(size, waiting)))
+            worst = max(worst, self._first_batch_s(bucket, batcher.bucket_depth(bucket) + mine))
             if mine > size:  # the full batches its own items need past that one, in turn
                 own_s += (mine - 1) // size * batcher.times.predict(bucket, size)
-        worst += own_s / batcher.config.parallelism
-        if finish + worst > deadline:
-            raise VegaError("deadline_unmeetable",
-                            f"predicted to finish {1000 * (finish + worst - deadline):.1f} ms "
-                            "after its deadline", retry_after_ms=max(MIN_RETRY_MS,
-                                                                     1000 * ahead_s))
+        own_s /= batcher.config.parallelism
+        if finish + worst + own_s <= deadline:
+            return
+        alone_s = self.config.margin_s + own_s + max(
+            self._first_batch_s(bucket, mine) for bucket, mine in counts)
+        if now + alone_s > deadline:  # with nothing ahead: no retry would meet it either
+            raise NeverFits("invalid_input", f"predicted to take {1000 * alone_s:.1f} ms "
+                            f"with nothing queued, more than the "
+                            f"{1000 * max(0.0, deadline - now):.1f} ms left of its deadline")
+        raise VegaError("deadline_unmeetable",
+                        f"predicted to finish {1000 * (finish + worst + own_s - deadline):.1f} "
+                        "ms after its deadline", retry_after_ms=max(MIN_RETRY_MS, 1000 * ahead_s))
+
+    def _first_batch_s(self, bucket: int, waiting: int) -> float:
+        """Until the first batch of ``bucket`` with ``waiting`` items queued ends: one that
+        will not fill waits out the window before it runs."""
+        config = self.batcher.config
+        wait_s = 0.0 if waiting >= config.max_batch_size else config.max_wait_s
+        return wait_s + self.batcher.times.predict(bucket, min(config.max_batch_size, waiting))
 
     def _drain_ms(self, items: int) -> float:
         """Milliseconds until ``items`` queued items have been served at the measured rate."""

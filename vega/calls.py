@@ -35,6 +35,13 @@ class Call:
     variant: str
     fingerprint: str = ""  # of the body, when an Idempotency-Key names the call
     context: Any = None  # what the protocol needs to render the answer
+    # The loop time the request came in (the stack sets it): its deadline counts from
+    # then, not from when a slow upload had finished.
+    arrived: float | None = None
+
+    def deadline(self, now: float) -> float:
+        """The loop time of its deadline (counted from ``now`` where arrival is unknown)."""
+        return (now if self.arrived is None else self.arrived) + self.deadline_ms / 1000
 
 
 @dataclass

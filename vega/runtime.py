@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vega.admission import Admission, AdmissionConfig
+from vega.admission import Admission, AdmissionConfig, NeverFits
 from vega.batcher import Batcher, BatcherConfig
 from vega.config import Settings
 from vega.errors import REFUSALS, VegaError, drain_ran_out, reraisable
@@ -260,9 +260,10 @@ class Runtime:
             served.admission.precheck(claimed)
 
     async def infer(self, model: str, instances: list[Any], priority: int,
-                    deadline_ms: float, gone: Callable[[], bool] | None = None) -> Answer:
+                    deadline_ms: float, gone: Callable[[], bool] | None = None,
+                    arrived: float | None = None) -> Answer:
         """Admit, queue and await ``instances`` of a model past ``gate``; raise VegaError
-        or ClientGone.
+        or ClientGone. The deadline counts from ``arrived`` (loop time; now if not given).
 
         The list is taken over: it is emptied once its instances are decoded. What a JSON
         body parses into (a list per timestep, tracked by the garbage collector) then dies
@@ -274,7 +275,9 @@ class Runtime:
         asked = self.models[model]
         loop = asyncio.get_running_loop()
         now = loop.time()
-        deadline = now + deadline_ms / 1000
+        deadline = (now if arrived is None else arrived) + deadline_ms / 1000
+        if deadline <= now:
+            raise VegaError("deadline_exceeded", "deadline passed before the request was read")
         served, costs = self._admit(asked, instances, priority, deadline, now)
         batcher = served.batcher
         try:
@@ -318,7 +321,7 @@ class Runtime:
         try:
             return order[0], self._admit_on(order[0], instances, priority, deadline, now)
         except VegaError as error:
-            if error.code not in REFUSALS:
+            if error.code not in REFUSALS and not isinstance(error, NeverFits):
                 raise
         return order[1], self._admit_on(order[1], instances, priority, deadline, now)
 

@@ -18,7 +18,7 @@ from typing import Protocol
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
-from vega.admission import Oversized
+from vega.admission import NeverFits
 from vega.calls import Call, Dialect, Handler, Reply
 from vega.errors import REFUSALS, VegaError
 from vega.httpio import Sent, hung_up, parse_deadline_ms, read_body
@@ -46,8 +46,8 @@ def core(runtime: Runtime) -> Handler:
         gone = call.request.scope["vega.gone"] = hung_up(call.request.receive)
         try:
             answer = await runtime.infer(call.model, call.instances, call.priority,
-                                         call.deadline_ms, gone)
-        except Oversized:
+                                         call.deadline_ms, gone, call.arrived)
+        except NeverFits:
             raise  # the Guard's to answer: a caller that would take a job gets one
         except VegaError as error:
             return call.dialect.refusal(error)
@@ -95,7 +95,7 @@ def idempotent(store: Idempotency, inner: Handler) -> Handler:
         return inner(call) if key is None else first_or_replay(call, key)
 
     async def first_or_replay(call: Call, key: str) -> Reply:
-        deadline = asyncio.get_running_loop().time() + call.deadline_ms / 1000
+        deadline = call.deadline(asyncio.get_running_loop().time())
         claim = await store.claim(call.model, key, call.fingerprint, deadline)
         if claim.replay is not None:
             first = claim.replay
@@ -142,7 +142,7 @@ class Guard:
 
     async def __call__(self, request: Request) -> Sent:
         started = asyncio.get_running_loop().time()
-        reply, model, priority = await self.reply(request)  # the body goes with its frame
+        reply, model, priority = await self.reply(request, started)  # the body goes with its frame
         outcome = reply.outcome
         if outcome == "ok" and (gone := request.scope.get("vega.gone")) is not None and gone():
             outcome = "disconnected"  # its batch ran, then nobody took the answer
@@ -166,12 +166,12 @@ class Guard:
             return math.inf
         return max(0.0, started + deadline_ms / 1000 - asyncio.get_running_loop().time())
 
-    async def reply(self, request: Request) -> tuple[Reply, str, int]:
+    async def reply(self, request: Request, arrived: float) -> tuple[Reply, str, int]:
         """The reply to one request, the model it asked for and the class it was taken at."""
         model, priority = "", NORMAL
         later = self.later if self.later is not None and self.later.wants(request) else None
         kept: bytes | None = None  # the body, only for a refusal that may become a job
-        oversized = False  # too many instances to queue inline: a job may take them
+        never_fits = False  # no retry could fit it inline: a job may take it
         lag = self.runtime.lag
         lag.touch()
         try:
@@ -207,6 +207,7 @@ class Guard:
             call = self.dialect.parse(request, model, body,
                                       keyed="idempotency-key" in request.headers)
             del body
+            call.arrived = arrived
             priority = call.priority
             if call.deadline_ms != self.runtime.settings.default_deadline_ms:  # named
                 request.scope["vega.deadline_ms"] = call.deadline_ms
@@ -216,12 +217,12 @@ class Guard:
         except LoopLate as error:  # a job would be more work for the loop, not less
             return self.refusal(request, error), model, priority
         except VegaError as error:
-            reply, oversized = self.refusal(request, error), isinstance(error, Oversized)
+            reply, never_fits = self.refusal(request, error), isinstance(error, NeverFits)
         except (ClientGone, ClientDisconnect):
             return DISCONNECTED, model, priority
         except Exception:
             return self.dialect.refusal(internal_error(request)), model, priority
-        if later is not None and (reply.outcome in LOAD_REFUSALS or oversized):
+        if later is not None and (reply.outcome in LOAD_REFUSALS or never_fits):
             try:
                 reply = await later.turn(request, model, kept, reply)
             except Exception:  # the refusal stands; the bug is logged

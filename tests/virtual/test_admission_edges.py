@@ -217,6 +217,30 @@ async def test_a_request_larger_than_its_class_may_queue_is_not_told_to_retry() 
     assert "(230)" in refused.value.message
 
 
+async def test_a_deadline_shorter_than_its_own_batch_is_not_told_to_retry(
+        served: tuple[Admission, Batcher, Model]) -> None:
+    # Batches take 2 ms + 0.1 ms an item and a partial one waits out the 5-ms window. On an
+    # empty queue a 3-ms deadline cannot be met, now or after any wait: 422, no Retry-After.
+    admission, batcher, _ = served
+    loop = asyncio.get_running_loop()
+    now = loop.time()
+    with pytest.raises(VegaError) as never:
+        admission.admit(NORMAL, [batcher.bucket_of(100)], now + 0.003, now)
+    assert (never.value.code, never.value.retry_after_ms) == ("invalid_input", None)
+    # 15 ms is met on an empty queue; behind a backlog it is refused for now, with a retry.
+    for _ in range(40):
+        admission.admit(NORMAL, [batcher.bucket_of(100)], now + 30.0, now)
+        batcher.enqueue(Item(model="m", sample=None, length=100, priority=NORMAL,
+                             deadline=now + 30.0, future=loop.create_future(),
+                             bucket=batcher.bucket_of(100), cost=1.0))
+    with pytest.raises(VegaError) as later:
+        admission.admit(NORMAL, [batcher.bucket_of(100)], now + 0.015, now)
+    assert later.value.code == "deadline_unmeetable" and (later.value.retry_after_ms or 0) >= 50
+    assert await request(admission, batcher, 100, 0.015) == "deadline_unmeetable"
+    await asyncio.sleep(1.0)  # the backlog served
+    assert await request(admission, batcher, 100, 0.015) == "ok"
+
+
 async def test_one_held_up_batch_barely_moves_what_a_long_window_costs() -> None:
     batcher = Batcher(BatcherConfig(model="m", buckets=(16, 512), max_batch_size=4,
                                     max_wait_s=0.005, max_inflight=2), Model())
