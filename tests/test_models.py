@@ -374,6 +374,29 @@ def test_torchscript_compiles_at_load_not_in_the_first_timed_pass() -> None:
     assert len(model.module.get_debug_state().execution_plans) >= 1
 
 
+def test_new_code_under_the_same_weights_changes_a_modules_identity(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rolling deploy of a new forward with the same weights: peers must not run each
+    # other's batches, nor the cache answer with the old code's answers.
+    source = (
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        torch.manual_seed(0)\n"
+        "        self.lin = torch.nn.Linear(8, 4)\n"
+        "    def forward(self, x, lengths):\n"
+        "        return self.lin(x.mean(1)){}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    identities = []
+    for n, change in enumerate(("", " + 100")):
+        (tmp_path / f"net{n}.py").write_text(source.format(change))
+        identities.append(identity(load_model(f"python:net{n}:Net")))
+    (tmp_path / "net2.py").write_text(source.format(""))  # the first code, another file
+    same = identity(load_model("python:net2:Net"))
+    assert identities[0] != identities[1] and same == identities[0]
+
+
 def test_a_module_names_its_version_and_new_weights_change_its_identity(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_SEED", "1")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import logging
 import math
+import os
 import struct
 import warnings
 import weakref
@@ -210,9 +212,9 @@ class SequenceModel:
         return finite_float32(array), length
 
     def weights_digest(self) -> str:
-        """A digest of the module's parameters and buffers: new weights under the same
-        version are new answers (the response cache keys on it); "" for a callable that
-        is not a torch module."""
+        """A digest of the module's parameters, buffers and code: new weights, or a new
+        forward, under the same version are new answers (the response cache and the
+        overflow channel key on it); "" for a callable that is not a torch module."""
         import torch
 
         state = getattr(self.module, "state_dict", None)
@@ -223,6 +225,8 @@ class SequenceModel:
             data = tensor.detach().cpu().contiguous().reshape(-1)
             digest.update(f"{name}:{data.dtype}:{tuple(tensor.shape)};".encode())
             digest.update(data.view(torch.uint8).numpy().data)
+        for code in _code_of(self.module):
+            digest.update(code)
         return digest.hexdigest()
 
     def example(self, length: int) -> Any:
@@ -322,6 +326,34 @@ class SequenceModel:
 
 class NotATensor(TypeError):
     """A module answered something other than one tensor."""
+
+
+def _code_of(module: Any) -> list[bytes]:
+    """What a module's forward passes run besides torch itself: the source file of each
+    of its modules' classes, or a TorchScript module's own code (no file to read)."""
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__)
+    codes, read = [], set()
+    for part in module.modules():
+        if isinstance(part, torch.jit.ScriptModule):
+            try:
+                codes.append(str(part.code).encode())
+            except (AttributeError, RuntimeError):  # a module with no forward of its own
+                pass
+            continue
+        try:
+            path = inspect.getsourcefile(type(part))
+        except TypeError:  # defined where no file tells (a class built at run time)
+            continue
+        if path and path not in read and not path.startswith(torch_dir):
+            read.add(path)
+            try:
+                with open(path, "rb") as source:
+                    codes.append(source.read())
+            except OSError:
+                pass
+    return codes
 
 
 def _moved(a: np.ndarray, b: np.ndarray) -> float:
