@@ -2,10 +2,12 @@
 
 Warm-up measures batch times at the configured bounds (``VEGA_LENGTH_BUCKETS``). From
 them, ``plan_bounds`` cuts the bounds again so that an item padded to its bucket's
-bound costs at most ``padding`` more per item than at its own length: fine where cost
-grows steeply with length, one wide bucket where it is flat. Neighbouring buckets still
-share a batch when padding costs less than the pass the items would otherwise need (the
-batcher), so fine buckets do not leave batches small at a short queue.
+bound costs at most ``padding`` more per item than at its own length, save items less
+than ``STEP`` past the bound below (a bound one step higher served 2% less in the
+simulator): fine where cost grows steeply with length, one wide bucket where it is
+flat. Neighbouring buckets still share a batch when padding costs less than the pass
+the items would otherwise need (the batcher), so fine buckets do not leave batches
+small at a short queue.
 """
 
 from __future__ import annotations
