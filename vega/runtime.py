@@ -22,6 +22,7 @@ from vega.errors import REFUSALS, VegaError, drain_ran_out, reraisable
 from vega.executor import Executor, pick_device, process_plan
 from vega.jobs.lane import JobLane
 from vega.metrics import Metrics
+from vega.modelproc.handle import ModelProcessError
 from vega.models import ModelAdapter, decode_all, load_model
 from vega.models.loader import ModelLoadError, check_fallback
 from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
@@ -181,8 +182,11 @@ class Runtime:
         def measure(bound: int, size: int) -> float:
             if self._stopping:  # a thread cannot be cancelled: it stops at the next shape
                 raise VegaError("draining", "stopped during warm-up")
-            samples = [adapter.example(bound)] * size
-            return self.executor.run_sync(adapter.name, samples, bound)[1]
+            try:
+                return self.executor.run_sync(adapter.name, [adapter.example(bound)] * size,
+                                              bound)[1]
+            except ModelProcessError as error:  # a shape's first pass may be slow (lazy init)
+                raise ModelProcessError(f"warm-up ({size} x {bound} steps): {error}") from None
 
         log.info("model %s: warming up (every batch shape, %d timed pass(es))", adapter.name,
                  self.settings.warmup_batches)
@@ -316,7 +320,7 @@ class Runtime:
         if fallback is None:
             return served, self._admit_on(served, instances, priority, deadline, now)
         order = [served, fallback]
-        if served.batcher.depth() >= self._degrade_depth():
+        if served.batcher.depth() >= self.settings.degrade_watermark * self.settings.queue_capacity:
             order.reverse()
         try:
             return order[0], self._admit_on(order[0], instances, priority, deadline, now)
@@ -337,9 +341,6 @@ class Runtime:
                 or priority not in self._degradable):
             return None
         return self.models.get(self.fallback_model)
-
-    def _degrade_depth(self) -> float:
-        return self.settings.degrade_watermark * self.settings.queue_capacity
 
     def _add_fallback(self, spec: str) -> str | None:
         """Load the fallback model (VEGA_FALLBACK_MODEL) beside the main one; its name."""
@@ -365,12 +366,9 @@ class Runtime:
             self._quiet.set()
 
     def _sink(self, batch: Batch) -> Awaitable[None]:
-        """Where a formed batch runs: here, or on a peer when the wait here is long.
-
-        A batch that runs here is handed back as the executor's own future, not a
-        coroutine: the batcher's callback on it then runs before the handlers the
-        batch answers, and starts the next batch first (Batcher._finished).
-        """
+        """Where a formed batch runs: here, or on a peer when the wait here is long. One
+        that runs here is handed back as the executor's own future, not a coroutine: the
+        executor ends it (batch.on_end starts the next batch) before the handlers it wakes."""
         if self.streams is not None and batch.items[0].priority != JOB:  # jobs move as jobs
             wait_s = self._local_wait_s(batch)
             if self.streams.worth_handing_off(batch, wait_s):

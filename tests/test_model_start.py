@@ -1,0 +1,28 @@
+"""A model process's start as an operator sees it: what the log says when it cannot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.servers import VegaProcess, wait_until
+
+ECHO = "python:tests.models:echo"
+
+
+def test_a_warm_up_pass_past_the_model_timeout_names_the_shape(tmp_path: Path) -> None:
+    # Every forward takes 1.5 s: loading (bounded by the start timeout) gets through, the
+    # first warm-up pass is past VEGA_MODEL_TIMEOUT_S, and the start fails saying where.
+    proc = VegaProcess({"VEGA_MODEL": ECHO, "VEGA_EXECUTOR": "process",
+                        "VEGA_MODEL_TIMEOUT_S": "0.5", "TEST_SLEEP_MS": "1500"},
+                       log_path=tmp_path / "log")
+    proc.start(wait_ready=False)
+    try:
+        assert proc.proc is not None
+        wait_until(lambda: proc.proc is not None and proc.proc.poll() is not None, 60,
+                   "the start to fail")
+        assert proc.proc.returncode != 0
+        assert "start failed" in proc.log() and "warm-up (1 x 16 steps)" in proc.log()
+    finally:
+        proc.kill()
+
+
