@@ -26,3 +26,17 @@ def test_a_warm_up_pass_past_the_model_timeout_names_the_shape(tmp_path: Path) -
         proc.kill()
 
 
+
+
+def test_a_model_process_that_loads_past_the_start_timeout_fails_the_start(
+        tmp_path: Path) -> None:
+    proc = VegaProcess({"VEGA_MODEL": ECHO, "VEGA_EXECUTOR": "process",
+                        "VEGA_MODEL_START_TIMEOUT_S": "1", "TEST_LOAD_SLEEP_MS": "4000"},
+                       log_path=tmp_path / "log")
+    proc.start(wait_ready=False)
+    try:
+        wait_until(lambda: proc.proc is not None and proc.proc.poll() is not None, 60,
+                   "the start to fail")
+        assert "did not load within 1 s" in proc.log()
+    finally:
+        proc.kill()

@@ -217,7 +217,10 @@ class Settings:
         "event loop does not preempt the model. Empty = no pinning. Only with model processes.")
     model_timeout_s: float = setting("30", _float(0.01, 3600), "a number 0.01-3600",
         "A batch running longer in a model process is taken to hang: the process is "
-        "killed and restarted, that batch answered 500 model_error.")
+        "killed and restarted, that batch answered 500 model_error. Warm-up passes too.")
+    model_start_timeout_s: float = setting("300", _float(1, 86400), "a number 1-86400",
+        "A model process that has not built and loaded its models within this is killed "
+        "(the start fails; after a restart, it is tried again with backoff).")
     warmup_batches: int = setting("2", _int(0, 100), "an integer 0-100",
         "Warm-up passes per (length bucket, batch size) before the process is ready.")
     max_batch_size: int = setting("32", _int(1, 4096), "an integer 1-4096",
@@ -419,18 +422,13 @@ def load_settings(
 
 
 def _check_together(s: Settings) -> None:
-    if s.shed_watermark > s.normal_watermark:
-        raise ConfigError(
-            f"VEGA_SHED_WATERMARK={s.shed_watermark} is not allowed: expected a number "
-            f"<= VEGA_NORMAL_WATERMARK ({s.normal_watermark})")
-    if s.default_deadline_ms > s.max_deadline_ms:
-        raise ConfigError(
-            f"VEGA_DEFAULT_DEADLINE_MS={s.default_deadline_ms} is not allowed: expected a "
-            f"number <= VEGA_MAX_DEADLINE_MS ({s.max_deadline_ms})")
-    if s.jobs_default_ttl_s > s.jobs_max_ttl_s:
-        raise ConfigError(
-            f"VEGA_JOBS_DEFAULT_TTL_S={s.jobs_default_ttl_s} is not allowed: expected a "
-            f"number <= VEGA_JOBS_MAX_TTL_S ({s.jobs_max_ttl_s})")
+    for name, value, bound, limit in (
+            ("SHED_WATERMARK", s.shed_watermark, "NORMAL_WATERMARK", s.normal_watermark),
+            ("DEFAULT_DEADLINE_MS", s.default_deadline_ms, "MAX_DEADLINE_MS", s.max_deadline_ms),
+            ("JOBS_DEFAULT_TTL_S", s.jobs_default_ttl_s, "JOBS_MAX_TTL_S", s.jobs_max_ttl_s)):
+        if value > limit:
+            raise ConfigError(f"VEGA_{name}={value} is not allowed: expected a number "
+                              f"<= VEGA_{bound} ({limit})")
     if s.fallback_model and s.fallback_model == s.model:
         raise ConfigError(
             f"VEGA_FALLBACK_MODEL={s.fallback_model!r} is not allowed: expected a model "

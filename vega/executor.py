@@ -87,7 +87,7 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
                  for size in sorted({1, top}))
     return ProcessPlan(specs=specs, device=s.device, torch_threads=s.torch_threads,
                        slot_bytes=slot_bytes, timeout_s=s.model_timeout_s, warm_shapes=warm,
-                       cpus=s.model_cpus)
+                       cpus=s.model_cpus, start_timeout_s=s.model_start_timeout_s)
 
 
 class Runner(Protocol):

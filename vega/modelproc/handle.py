@@ -81,7 +81,7 @@ class ProcessPlan:
     torch_threads: int
     slot_bytes: int
     timeout_s: float  # a batch running longer is taken to hang
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = 300.0  # VEGA_MODEL_START_TIMEOUT_S
     warm_shapes: tuple[tuple[str, int, int], ...] = ()  # run after a restart, before ready
     cpus: tuple[int, ...] = ()  # VEGA_MODEL_CPUS: where the child runs; empty = anywhere
     lanes: int = 2  # batches the child may hold at once: one running, one waiting in its pipe
