@@ -319,3 +319,18 @@ def scale_not_lengths(name: str) -> Any:
             return scaled
 
     return Scaled()
+
+
+def heavy(name: str) -> Any:
+    """256 MB of weights (zeros, written: resident) that answer the mean of each window."""
+    import torch
+
+    class Heavy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = torch.nn.Parameter(torch.full((64, 1024, 1024), 0.0))
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.mean(dim=1) + self.weights[0, 0, :8]
+
+    return Heavy()

@@ -261,7 +261,7 @@ def test_an_answer_too_large_for_the_slot_crosses_whole_in_a_model_process() -> 
 
     try:
         items = uvloop.run(run())
-        [alone] = model.run([model.decode(rows[5])[0]], 512)
+        [alone] = load_model(spec, "steps").run([model.decode(rows[5])[0]], 512)
         assert [i.future.result().shape for i in items] == [(512, 24)] * 32
         assert np.allclose(items[5].future.result(), alone, atol=1e-5)
         assert executor.restarts == 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+
 from tests.servers import VegaProcess, wait_until
 
 ECHO = "python:tests.models:echo"
@@ -40,3 +42,24 @@ def test_a_model_process_that_loads_past_the_start_timeout_fails_the_start(
         assert "did not load within 1 s" in proc.log()
     finally:
         proc.kill()
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_the_serving_process_keeps_no_copy_of_weights_its_model_process_runs(
+        tmp_path: Path) -> None:
+    proc = VegaProcess({"VEGA_MODEL": "python:tests.models:heavy", "VEGA_EXECUTOR": "process"},
+                       log_path=tmp_path / "log").start()
+    try:
+        assert proc.proc is not None
+        [child] = httpx.get(proc.url + "/v1/status").json()["executor"]["pids"]
+        # 256 MB of weights: in the model process, not also in the serving process.
+        assert rss_mb(child) - rss_mb(proc.proc.pid) > 192, (rss_mb(child), rss_mb(proc.proc.pid))
+        assert httpx.post(proc.url + "/v1/infer",
+                          json={"inputs": [[1.0] * 8] * 4}).json()["outputs"] == [1.0] * 8
+    finally:
+        proc.stop()

@@ -35,7 +35,7 @@ from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
 from vega.modelproc.handle import Answered, Lane
 from vega.modelproc.slot import ALIGN
-from vega.models import ModelAdapter, holds_the_gil
+from vega.models import ModelAdapter, holds_the_gil, release
 from vega.models.loader import ModelLoadError
 from vega.records import JOB, Batch
 
@@ -146,6 +146,9 @@ class Executor:
             in_thread = InThread(self.models)
             for _ in range(threads):
                 self._runners.put(in_thread)
+        else:
+            for adapter in self.models.values():
+                release(adapter)  # a copy of the weights per model process is enough
 
     def load(self, device: str) -> None:
         """Put the models on ``device`` (blocking): here, or in freshly started model processes."""

@@ -6,9 +6,10 @@ from vega.models.base import (
     TensorSpec,
     decode_all,
     holds_the_gil,
-    identity,
+    release,
 )
+from vega.models.digest import identity
 from vega.models.loader import load_model
 
 __all__ = ["ModelAdapter", "SequenceModel", "TensorSpec", "decode_all", "holds_the_gil",
-           "identity", "load_model"]
+           "identity", "load_model", "release"]

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import logging
 import math
-import os
 import struct
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from vega.errors import VegaError, invalid_input
+from vega.models.digest import code_of, identity
 
 log = logging.getLogger("vega.models")
 
@@ -225,7 +223,7 @@ class SequenceModel:
             data = tensor.detach().cpu().contiguous().reshape(-1)
             digest.update(f"{name}:{data.dtype}:{tuple(tensor.shape)};".encode())
             digest.update(data.view(torch.uint8).numpy().data)
-        for code in _code_of(self.module):
+        for code in code_of(self.module):
             digest.update(code)
         return digest.hexdigest()
 
@@ -328,34 +326,6 @@ class NotATensor(TypeError):
     """A module answered something other than one tensor."""
 
 
-def _code_of(module: Any) -> list[bytes]:
-    """What a module's forward passes run besides torch itself: the source file of each
-    of its modules' classes, or a TorchScript module's own code (no file to read)."""
-    import torch
-
-    torch_dir = os.path.dirname(torch.__file__)
-    codes, read = [], set()
-    for part in module.modules():
-        if isinstance(part, torch.jit.ScriptModule):
-            try:
-                codes.append(str(part.code).encode())
-            except (AttributeError, RuntimeError):  # a module with no forward of its own
-                pass
-            continue
-        try:
-            path = inspect.getsourcefile(type(part))
-        except TypeError:  # defined where no file tells (a class built at run time)
-            continue
-        if path and path not in read and not path.startswith(torch_dir):
-            read.add(path)
-            try:
-                with open(path, "rb") as source:
-                    codes.append(source.read())
-            except OSError:
-                pass
-    return codes
-
-
 def _moved(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b), initial=0.0))
 
@@ -443,17 +413,9 @@ def _kind_name(array: np.ndarray) -> str:
         array.dtype.kind, str(array.dtype))
 
 
-_IDENTITIES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-
-
-def identity(adapter: ModelAdapter) -> str:
-    """What a model's answers depend on besides their input: its version and, where the
-    adapter can tell (``weights_digest()``), its weights. Hashed once per adapter: the
-    response cache and the overflow channel both ask, and the weights may be gigabytes."""
-    known = _IDENTITIES.get(adapter)
-    if known is None:
-        weights = getattr(adapter, "weights_digest", None)
-        digest = weights() if weights is not None else ""
-        known = _IDENTITIES[adapter] = f"{adapter.version}:{digest}" if digest \
-            else adapter.version
-    return known
+def release(adapter: ModelAdapter) -> None:
+    """Let go of the weights of a model that model processes run (each builds its own):
+    the serving process keeps its metadata, and its identity, hashed first."""
+    identity(adapter)
+    if isinstance(adapter, SequenceModel):
+        adapter.module = None

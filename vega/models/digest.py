@@ -1,0 +1,59 @@
+"""What a model's answers depend on besides their input, as one string: its identity.
+
+Peers run each other's batches, and the response cache answers, only for the same
+identity (docs/cluster.md, docs/pressure.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vega.models.base import ModelAdapter
+
+_IDENTITIES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def identity(adapter: ModelAdapter) -> str:
+    """Its version and, where the adapter can tell (``weights_digest()``), its weights and
+    code. Hashed once per adapter: the response cache and the overflow channel both ask,
+    and the weights may be gigabytes."""
+    known = _IDENTITIES.get(adapter)
+    if known is None:
+        weights = getattr(adapter, "weights_digest", None)
+        digest = weights() if weights is not None else ""
+        known = _IDENTITIES[adapter] = f"{adapter.version}:{digest}" if digest \
+            else adapter.version
+    return known
+
+
+def code_of(module: Any) -> list[bytes]:
+    """What a module's forward passes run besides torch itself: the source file of each
+    of its modules' classes, or a TorchScript module's own code (no file to read)."""
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__)
+    codes: list[bytes] = []
+    read: set[str] = set()
+    for part in module.modules():
+        if isinstance(part, torch.jit.ScriptModule):
+            try:
+                codes.append(str(part.code).encode())
+            except (AttributeError, RuntimeError):  # a module with no forward of its own
+                pass
+            continue
+        try:
+            path = inspect.getsourcefile(type(part))
+        except TypeError:  # defined where no file tells (a class built at run time)
+            continue
+        if path and path not in read and not path.startswith(torch_dir):
+            read.add(path)
+            try:
+                with open(path, "rb") as source:
+                    codes.append(source.read())
+            except OSError:
+                pass
+    return codes
