@@ -641,3 +641,28 @@ async def test_a_process_that_stops_leaves_no_consumer_name_behind(
         assert await names() == [[], []]
     finally:
         await client.aclose()
+
+
+# -- what a peer writes cannot stop the origin ---------------------------------------------
+
+
+def raw_reply(meta: dict[str, Any], data: bytes = b"") -> dict[bytes, bytes]:
+    return {b"v": b"2", b"meta": orjson.dumps(meta), b"data": data}
+
+
+async def test_a_malformed_reply_is_dropped_and_the_reader_answers_the_next(
+        runtime: Runtime) -> None:
+    """Replies the checks once let through as a TypeError (an error code that is a list)
+    or a ValueError (a shape whose int64 size wraps to 0) ended the only reply reader, and
+    every later hand-off waited to its last call."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    batch, item = one_window_batch(runtime, 3.0)
+    assert await streams.offer(batch, local_wait_s=2.0)  # checked long after the replies
+    [key] = list(streams._pending)
+    head = {"batch": key, "node": "ghost", "infer_ms": 1}
+    for fields in (raw_reply({**head, "error": {"code": ["declined"], "message": "x"}}),
+                   raw_reply({**head, "arrays": [{"dtype": "float32", "shape": [65536] * 4}]}),
+                   encode_reply(Reply(key, "ghost", 1.0, (np.array([99.0], np.float32),)))):
+        await streams.cmd.xadd(reply_key("solo"), fields)  # type: ignore[arg-type]
+    assert (await asyncio.wait_for(item.future, 1.0))[0] == pytest.approx(99.0)
+    assert streams.metrics.overflow_events.labels("malformed")._value.get() == 2

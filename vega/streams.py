@@ -382,7 +382,11 @@ class Streams:
                 for _stream, entries in got or []:
                     for entry_id, fields in entries:
                         self._reply_from = entry_id
-                        self._on_reply(fields)
+                        try:
+                            self._on_reply(fields)
+                        except Exception:  # rule 6: no entry ends the only reply reader
+                            self.metrics.overflow_events.labels("malformed").inc()
+                            log.exception("reply %r dropped", entry_id)
         finally:
             await client.aclose()
 
@@ -411,7 +415,11 @@ class Streams:
         del self._pending[key]
         if handoff.timer is not None:
             handoff.timer.cancel()
-        self._answer(handoff, reply)
+        try:
+            self._answer(handoff, reply)
+        except Exception:  # out of _pending: no timer will answer its callers
+            handoff.batch.fail(VegaError("model_error", f"bad answer from peer {reply.node}"))
+            raise
 
     def _answer(self, handoff: Handoff, reply: Reply) -> None:
         batch = handoff.batch

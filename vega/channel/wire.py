@@ -13,6 +13,7 @@ subtracts a clock-skew allowance (``VEGA_CLOCK_SKEW_MS``) before trusting it.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "int16", 
                     "uint8", "bool"})
 MAX_ITEMS = 4096
 MAX_DIMS = 4
+MAX_ELEMENTS = 1 << 28  # one array's numbers: a shape past it is no batch of ours
 MAX_ATTEMPTS = 100
 _NODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _BATCH = re.compile(r"[A-Za-z0-9_.:-]{1,160}")
@@ -92,15 +94,19 @@ def _unpack(specs: Any, data: bytes, count: int) -> tuple[np.ndarray, ...]:
     for spec in specs:
         _keys(spec, {"dtype", "shape"}, "array spec")
         dtype, shape = spec["dtype"], spec["shape"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise WireError(f"dtype {dtype!r} not allowed")
         if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
                 not all(_is_int(n) and 0 <= n <= 1 << 24 for n in shape):
             raise WireError(f"bad shape {shape!r}")
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        # Python ints: numpy's int64 product of [65536] * 4 wraps to 0.
+        elements = math.prod(shape)
+        if elements > MAX_ELEMENTS:
+            raise WireError(f"shape {shape!r} too large")
+        size = elements * np.dtype(dtype).itemsize
         if offset + size > len(data):
             raise WireError("data shorter than the shapes say")
-        arrays.append(np.frombuffer(data, dtype=dtype, count=size // np.dtype(dtype).itemsize,
+        arrays.append(np.frombuffer(data, dtype=dtype, count=elements,
                                     offset=offset).reshape(shape))
         offset += size
     if offset != len(data):
@@ -178,7 +184,19 @@ def encode_reply(reply: Reply) -> dict[bytes, bytes]:
 
 
 def decode_reply(fields: Any, size: int, codes: frozenset[str]) -> Reply:
-    """Check a reply for a batch of ``size`` items; error codes must be in ``codes``."""
+    """Check a reply for a batch of ``size`` items; error codes must be in ``codes``.
+
+    Anything malformed raises WireError, never another exception: the origin's one
+    reply reader must outlive any entry a peer writes."""
+    try:
+        return _decode_reply(fields, size, codes)
+    except WireError:
+        raise
+    except (TypeError, ValueError, ArithmeticError) as error:
+        raise WireError(f"reply does not parse: {type(error).__name__}: {error}") from None
+
+
+def _decode_reply(fields: Any, size: int, codes: frozenset[str]) -> Reply:
     meta, data = _envelope(fields)
     if not isinstance(meta, dict):
         raise WireError("reply meta is not an object")
@@ -195,7 +213,8 @@ def decode_reply(fields: Any, size: int, codes: frozenset[str]) -> Reply:
     if "error" in meta:
         error = meta["error"]
         _keys(error, {"code", "message"}, "reply error")
-        if error["code"] not in codes or not isinstance(error["message"], str):
+        if not isinstance(error["code"], str) or error["code"] not in codes or \
+                not isinstance(error["message"], str):
             raise WireError(f"bad error code {error['code']!r}")
         return Reply(reply.batch, reply.node, reply.infer_ms, (), error["code"],
                      error["message"])
