@@ -20,6 +20,7 @@ from tests.infra import RedisServer
 from tests.models import echo, window
 from vega.channel.keys import (
     GROUP,
+    NODES,
     dlq_key,
     done_key,
     jobs_key,
@@ -616,6 +617,36 @@ async def test_capacity_counts_only_peers_serving_the_model(runtime: Runtime) ->
     # Another deployment sharing the Redis (another model) is not capacity of this one.
     await beats_stopped(runtime, [ghost("twin", 1), {**ghost("other", 1), "models": ["x"]}])
     assert runtime.reporter.capacity_sample().processes == 2
+
+
+async def test_a_peer_s_beat_with_spare_threads_that_are_no_count_lends_nothing(
+        runtime: Runtime, redis_server: RedisServer) -> None:
+    """Admission sums the spare threads of every live peer for each request: a beat saying
+    {"echo": "2"} made that sum raise TypeError in every request, and a negative count
+    could zero the share admission divides by."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    spares = {"text": {"echo": "2"}, "minus": {"echo": -1}, "list": ["echo"], "fine": {"echo": 1}}
+    try:
+        for name, spare in spares.items():
+            await client.hset(node_key(name), mapping={
+                "node": name, "time_ms": int(time.time() * 1000), "stealing": 1,
+                "models": b'["echo"]', "identity": b'{"echo": "1"}', "depth": b"{}",
+                "service_rate": b"{}", "inflight": 0, "spare": orjson.dumps(spare)})
+            await client.zadd(NODES, {name: int(time.time() * 1000)})
+        streams = runtime.streams
+        assert streams is not None
+        for _ in range(100):  # the next beat (every 100 ms here) reads them
+            if len(streams.peers) == len(spares):
+                break
+            await asyncio.sleep(0.02)
+        assert sorted(peer["node"] for peer in streams.peers) == sorted(spares)
+        assert streams.lent("echo") == 1
+        answer = await runtime.infer("echo", [window(4)], 0, 5000)
+        assert answer is not None
+    finally:
+        await client.delete(*(node_key(name) for name in spares))
+        await client.zrem(NODES, *spares)
+        await client.aclose()
 
 
 async def test_a_process_that_stops_leaves_no_consumer_name_behind(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -121,15 +122,31 @@ class Peers:
 
 
 def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
-    """A heartbeat as /v1/status shows it; None if it expired or does not parse."""
+    """A heartbeat as /v1/status shows it; None if it expired or does not parse.
+
+    Every request's admission sums ``spare`` (``lent``): a value that is not a finite,
+    non-negative number (a string raises there, a negative one can zero a share that is
+    divided by) is dropped here, as are models and identities of the wrong type."""
     try:
         beat_ms = int(state[b"time_ms"])
+        models = orjson.loads(state[b"models"])
+        spare = orjson.loads(state.get(b"spare", b"{}"))
+        identity = orjson.loads(state.get(b"identity", b"{}"))
         return {"node": state[b"node"].decode(), "time_ms": beat_ms,
                 "age_ms": wall_ms() - beat_ms,
-                "models": orjson.loads(state[b"models"]), "depth": orjson.loads(state[b"depth"]),
+                "models": [m for m in models if isinstance(m, str)]
+                if isinstance(models, list) else [],
+                "depth": orjson.loads(state[b"depth"]),
                 "service_rate": orjson.loads(state[b"service_rate"]),
                 "inflight": int(state[b"inflight"]), "stealing": state[b"stealing"] == b"1",
-                "spare": orjson.loads(state.get(b"spare", b"{}")),
-                "identity": orjson.loads(state.get(b"identity", b"{}"))}
+                "spare": {m: n for m, n in spare.items() if _threads(n)}
+                if isinstance(spare, dict) else {},
+                "identity": identity if isinstance(identity, dict) else {}}
     except (KeyError, ValueError, orjson.JSONDecodeError):
         return None
+
+
+def _threads(value: Any) -> bool:
+    """Whether a heartbeat's count of spare threads is one: a finite number, not below 0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and value >= 0
