@@ -619,6 +619,20 @@ async def test_capacity_counts_only_peers_serving_the_model(runtime: Runtime) ->
     assert runtime.reporter.capacity_sample().processes == 2
 
 
+async def test_a_padded_batch_goes_out_as_an_entry_a_thief_accepts(runtime: Runtime) -> None:
+    """A compiled model's batcher pads a batch past its longest window (rounded up): that
+    length went out as pad_to, which every thief refused (pad_to must be the longest
+    length) and dead-lettered."""
+    streams = await beats_stopped(runtime, [ghost("ghost", 1)])
+    batch, _ = one_window_batch(runtime, 3.0)
+    batch.pad_to = 16
+    assert await streams.offer(batch, local_wait_s=2.0)
+    [handoff] = streams._pending.values()
+    look: Any = streams.cmd  # untyped: entries are bytes here
+    [(_, fields)] = await look.xrange(overflow_key("echo"), handoff.entry_id, handoff.entry_id)
+    assert decode_overflow(fields).pad_to == 2
+
+
 async def test_a_peer_s_beat_with_spare_threads_that_are_no_count_lends_nothing(
         runtime: Runtime, redis_server: RedisServer) -> None:
     """Admission sums the spare threads of every live peer for each request: a beat saying

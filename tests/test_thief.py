@@ -203,6 +203,16 @@ async def test_a_batch_of_another_version_or_weights_of_its_model_is_declined_no
     assert rig.ran == [] and await rig.look.xlen(overflow_key(MODEL)) == 0
 
 
+async def test_a_stolen_batch_is_padded_as_its_model_pads_a_batch_of_its_own(
+        rig: Rig) -> None:
+    # A compiled package runs lengths rounded up (to 8 here): the entry carries the longest
+    # length, and the thief rounds it as its origin's batcher did, so the answers agree.
+    batcher = rig.link.models[MODEL][1]
+    batcher.config = dataclasses.replace(batcher.config, pad=lambda n: -(-n // 8) * 8)
+    reply = await offered(rig, entry("origin-p", "origin-p.b.1"))
+    assert reply.error_code == "" and [batch.pad_to for batch in rig.ran] == [8]
+
+
 async def test_its_own_batch_read_while_idle_is_taken_back_without_a_round_trip(
         rig: Rig) -> None:
     await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("thief-1", "thief-1.b.9")))

@@ -203,12 +203,13 @@ class Streams:
         batcher = self.models[batch.model][1]
         run_s = batcher.times.predict(batch.bucket, batch.size)
         key = f"{self.node}.{self._boot}.{batch.id}"
-        try:
+        lengths = tuple(item.length for item in batch.items)
+        try:  # the longest length: a thief of the same model pads it as our batcher did
             fields = encode_overflow(Overflow(
                 origin=self.node, batch=key, model=batch.model,
                 identity=self.link.identities[batch.model],
                 deadline_ms=wall_ms() + int(1000 * (batch.deadline - now)), sent_ms=wall_ms(),
-                attempt=1, pad_to=batch.pad_to, lengths=tuple(i.length for i in batch.items),
+                attempt=1, pad_to=max(lengths), lengths=lengths,
                 samples=tuple(item.sample for item in batch.items)))
         except WireError:
             return False

@@ -160,7 +160,9 @@ class Thief:
                       deadline=now + remaining_ms / 1000, future=loop.create_future(),
                       enqueued_at=now, dispatched_at=now, bucket=bucket)
                  for sample, length in zip(entry.samples, entry.lengths)]
-        batch = Batch(model=model, bucket=bucket, items=items, formed_at=now, pad_to=entry.pad_to)
+        pad = self.models[model][1].config.pad  # a compiled model's rounding, as its origin's
+        batch = Batch(model=model, bucket=bucket, items=items, formed_at=now,
+                      pad_to=entry.pad_to if pad is None else pad(entry.pad_to))
         await self.link.run_local(batch)
         error = next((item.future.exception() for item in items
                       if item.future.done() and item.future.exception() is not None), None)

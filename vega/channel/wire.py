@@ -57,7 +57,7 @@ class Overflow:
     deadline_ms: int  # absolute, wall-clock epoch milliseconds
     sent_ms: int  # wall clock at the origin's XADD
     attempt: int  # 1 on first hand-off, +1 per reclaim
-    pad_to: int
+    pad_to: int  # the longest length; a thief pads it as its batcher does (the same model's)
     lengths: tuple[int, ...]
     samples: tuple[np.ndarray, ...]
 
