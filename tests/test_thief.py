@@ -213,6 +213,26 @@ async def test_a_stolen_batch_is_padded_as_its_model_pads_a_batch_of_its_own(
     assert reply.error_code == "" and [batch.pad_to for batch in rig.ran] == [8]
 
 
+async def test_a_batch_past_this_process_s_limits_is_declined_not_dead_lettered(
+        rig: Rig) -> None:
+    """Peers of the same model with other limits: more items than this VEGA_MAX_BATCH_SIZE
+    (4 here; 128 at a tester's origin), or a window longer than this model takes. Dead-
+    lettered as malformed, such a batch got no reply, and its origin waited to its last
+    call (504s). Declined, its origin runs it at once."""
+    many = entry("origin-m", "origin-m.b.1")
+    many = dataclasses.replace(many, lengths=(2,) * 5, pad_to=2,
+                               samples=(np.ones((2, 8), np.float32),) * 5)
+    long_ = dataclasses.replace(entry("origin-m", "origin-m.b.2"), lengths=(600,), pad_to=600,
+                                samples=(np.ones((600, 8), np.float32),))
+    for sent, why in ((many, "5 items, more than VEGA_MAX_BATCH_SIZE here (4)"),
+                      (long_, "a sample the model refuses here")):
+        reply = await offered(rig, sent)
+        assert (reply.batch, reply.error_code) == (sent.batch, "declined")
+        assert reply.error_message.startswith(why)
+    assert rig.ran == [] and await rig.look.xlen(dlq_key(MODEL)) == 0
+    assert (await rig.look.xpending(overflow_key(MODEL), GROUP))["pending"] == 0
+
+
 async def test_its_own_batch_read_while_idle_is_taken_back_without_a_round_trip(
         rig: Rig) -> None:
     await rig.look.xadd(overflow_key(MODEL), encode_overflow(entry("thief-1", "thief-1.b.9")))

@@ -4,7 +4,10 @@ A process reads its model's overflow group only while it has nothing of its own 
 do, runs a stolen batch only if the entry's deadline leaves time for it, and answers
 on the origin's reply stream in one transaction with the acknowledgement. Entries a
 dead thief left pending are put back (``attempt + 1``) or, past
-``VEGA_MAX_ATTEMPTS``, dead-lettered. A malformed entry is dead-lettered, never run.
+``VEGA_MAX_ATTEMPTS``, dead-lettered. A malformed entry is dead-lettered, never run; a
+well-formed one this process cannot take (another version of its model, more items
+than its ``VEGA_MAX_BATCH_SIZE``, a sample its model refuses) is declined, so that its
+origin runs it at once instead of waiting for an answer to its last call.
 """
 
 from __future__ import annotations
@@ -123,18 +126,21 @@ class Thief:
             await self._dead_letter(model, entry_id, fields, f"error: {error!r}")
 
     async def _steal(self, model: str, entry_id: Any, fields: Any) -> None:
-        entry = self._decode(model, fields)
+        entry = decode_overflow(fields)  # the schema: an entry that fails it is dead-lettered
+        if entry.model != model:
+            raise WireError(f"entry for model {entry.model!r} on the stream of {model!r}")
+        if await self.link.cmd.exists(done_key(model, entry.batch)):
+            await self._ack(model, entry_id)  # the origin answered it already
+            return
+        refused = self._refusal(model, entry)
+        if refused:  # a well-formed batch this process cannot take: its origin runs it
+            await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (),
+                                                     "declined", refused))
+            return
         remaining_ms = entry.deadline_ms - wall_ms() - self._skew_ms
         batcher = self.models[model][1]
         bucket = batcher.bucket_of(entry.pad_to)
         run_ms = 1000 * batcher.times.predict(bucket, len(entry.lengths))
-        if await self.link.cmd.exists(done_key(model, entry.batch)):
-            await self._ack(model, entry_id)  # the origin answered it already
-            return
-        if entry.identity != self.link.identities[model]:  # another deploy's model
-            await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (),
-                                                     "declined", "another version or weights"))
-            return
         if remaining_ms < run_ms + self.settings.deadline_margin_ms:
             await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (),
                                                      "declined", "cannot finish in time"))
@@ -176,22 +182,23 @@ class Thief:
                           tuple(item.future.result() for item in items))
         await self._reply(entry, entry_id, reply)
 
-    def _decode(self, model: str, fields: Any) -> Overflow:
-        """The schema check, then the model's own input check on every sample."""
-        entry = decode_overflow(fields)
+    def _refusal(self, model: str, entry: Overflow) -> str:
+        """Why this process cannot run ``entry``, or "": another version of its model, or
+        limits of its own (a smaller VEGA_MAX_BATCH_SIZE, a sample its model refuses)."""
+        if entry.identity != self.link.identities[model]:  # another deploy's model
+            return "another version or weights"
         adapter, batcher = self.models[model]
-        if entry.model != model:
-            raise WireError(f"entry for model {entry.model!r} on the stream of {model!r}")
         if len(entry.lengths) > batcher.config.max_batch_size:
-            raise WireError(f"{len(entry.lengths)} items, more than VEGA_MAX_BATCH_SIZE")
+            return (f"{len(entry.lengths)} items, more than VEGA_MAX_BATCH_SIZE here "
+                    f"({batcher.config.max_batch_size})")
         for sample, length in zip(entry.samples, entry.lengths):
             try:
                 _, checked = adapter.decode(sample)
             except VegaError as error:
-                raise WireError(f"sample refused by the model: {error.message}") from None
+                return f"a sample the model refuses here: {error.message}"
             if checked != length:
-                raise WireError("a sample's length is not the one given")
-        return entry
+                return "a sample's length is not the one given"
+        return ""
 
     async def _reply(self, entry: Overflow, entry_id: Any, reply: Reply) -> None:
         """Answer, mark done and acknowledge in one transaction.
