@@ -633,6 +633,25 @@ async def test_a_padded_batch_goes_out_as_an_entry_a_thief_accepts(runtime: Runt
     assert decode_overflow(fields).pad_to == 2
 
 
+async def test_a_reply_stream_redis_refuses_to_read_is_retried_slowly(
+        runtime: Runtime, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply key of the wrong type (WRONGTYPE) is refused at once: the reply reader
+    asked again with no pause, logging each refusal as fast as Redis answered."""
+    streams = runtime.streams
+    assert streams is not None
+    refused: list[BaseException] = []
+    monkeypatch.setattr(streams, "redis_error", refused.append)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await client.set(reply_key("solo"), b"not a stream")
+        await asyncio.sleep(1.0)
+    finally:
+        await client.delete(reply_key("solo"))
+        await client.aclose()
+    assert 1 <= len(refused) <= 4 and streams.up, len(refused)
+    assert all("WRONGTYPE" in str(error) for error in refused)
+
+
 async def test_a_peer_s_beat_with_spare_threads_that_are_no_count_lends_nothing(
         runtime: Runtime, redis_server: RedisServer) -> None:
     """Admission sums the spare threads of every live peer for each request: a beat saying

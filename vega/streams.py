@@ -379,6 +379,8 @@ class Streams:
                                                   block=BLOCK_MS)
                 except rexc.RedisError as error:
                     self.redis_error(error)
+                    if self.up and not isinstance(error, rexc.TimeoutError):
+                        await asyncio.sleep(BLOCK_MS / 1000)  # refused (WRONGTYPE): no spin
                     continue
                 for _stream, entries in got or []:
                     for entry_id, fields in entries:
