@@ -490,7 +490,7 @@ async def test_a_batch_taken_back_late_still_runs_the_items_that_can_make_it(
 async def test_a_timeout_while_redis_answers_is_a_stall_here_not_an_outage(
         runtime: Runtime) -> None:
     """A stall of this process (a burst's long loop turns, a collection) fails with a
-    timeout every command in flight across it, though Redis answered. A PING tells that
+    timeout every command in flight across it, though Redis answered. A probe tells that
     from Redis away: batches out stay out, overflow stays on."""
     streams = await beats_stopped(runtime, [ghost("ghost", 1)])
     batch, item = one_window_batch(runtime, 3.0)
@@ -551,7 +551,7 @@ async def test_a_hand_off_whose_xadd_timed_out_runs_here_and_no_peer_runs_it(
 
 async def test_a_timeout_while_redis_is_hung_is_an_outage(
         runtime: Runtime, redis_server: RedisServer) -> None:
-    """Redis stopped (SIGSTOP: it holds its connections and answers nothing): the PING
+    """Redis stopped (SIGSTOP: it holds its connections and answers nothing): the probe
     times out too, and every batch out is taken back and run here."""
     streams = await beats_stopped(runtime, [ghost("ghost", 1)])
     batch, item = one_window_batch(runtime, 3.0)

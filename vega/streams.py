@@ -230,7 +230,7 @@ class Streams:
         except rexc.RedisError as error:
             handoff.timer.cancel()
             if self._pending.pop(key, None) is None:
-                return True  # already taken back by _lost
+                return True  # taken back meanwhile: Redis lost, or the _unclaimed timer
             if isinstance(error, rexc.TimeoutError):  # it may have landed: no peer may run it
                 self._spawn(self._forget(batch.model, key, None, batch.deadline))
             self.redis_error(error)
@@ -444,7 +444,7 @@ class Streams:
 
     def redis_error(self, error: BaseException) -> None:
         if isinstance(error, rexc.TimeoutError):
-            if self.up:  # a stall here, or Redis away: one PING before every batch comes back
+            if self.up:  # a stall or Redis away: a probe write decides before batches come back
                 self._timeouts.timed_out(error)
         elif isinstance(error, CONNECTION_ERRORS):
             self._lost(error)

@@ -10,7 +10,7 @@ The request path never waits on Redis longer than ``VEGA_REDIS_TIMEOUT_MS``: the
 client's socket timeout bounds every command, so no await is ever cancelled or wrapped
 in ``wait_for`` (a cancelled redis-py command drops its connection). After a failure a
 side tier is skipped for a short while and the caller works locally; after a timeout,
-only once a PING has confirmed that Redis does not answer.
+only once a probe (a small write, ``probe``) has gone unanswered too.
 """
 
 from __future__ import annotations
