@@ -71,7 +71,8 @@ def test_overflow_entries_round_trip_bit_for_bit() -> None:
 def test_replies_round_trip_arrays_json_and_errors() -> None:
     outputs = (np.array([1.5, 2.0], np.float32), np.array([3.0, 4.25], np.float32))
     back = decode_reply(encode_reply(Reply("b", "n", 1.25, outputs)), 2, CODES)
-    assert back.infer_ms == 1.25 and all(np.array_equal(a, b) for a, b in zip(outputs, back.outputs))
+    assert back.infer_ms == 1.25
+    assert all(np.array_equal(a, b) for a, b in zip(outputs, back.outputs))
     back = decode_reply(encode_reply(Reply("b", "n", 0, ({"label": 1}, [2]))), 2, CODES)
     assert back.outputs == ({"label": 1}, [2])
     per_step = (np.ones((2, 3), np.float32), np.zeros((5, 3), np.float32))  # rows per step

@@ -25,6 +25,7 @@ from redis import exceptions as rexc
 
 from vega.admission import PENDING_PER_SPARE
 from vega.channel.client import CONNECTION_ERRORS, StallCheck, leave_group, probe, said
+from vega.channel.handoff import DELETE_UNLESS_DELIVERED, Handoff
 from vega.channel.keys import (
     BLOCK_MS,
     GROUP,
@@ -33,7 +34,6 @@ from vega.channel.keys import (
     overflow_key,
     reply_key,
 )
-from vega.channel.handoff import DELETE_UNLESS_DELIVERED, Handoff
 from vega.channel.link import Link, Models, RunLocal, log_end, stop_tasks
 from vega.channel.peers import Peers
 from vega.channel.steal import Thief
