@@ -292,6 +292,22 @@ async def test_a_v2_answer_is_not_replayed_to_v1() -> None:
         assert second.status_code == 422 and "different request body" in second.text
 
 
+async def test_a_retry_with_less_time_left_or_another_class_is_a_replay() -> None:
+    # A caller's own retry loop sends what is left of its deadline in the body: the same
+    # request, not a conflict. Another input under the key still is one.
+    async with in_process(DIALECTS_ENV) as (client, _):
+        first = await client.post("/v1/infer", content=orjson.dumps(
+            {"inputs": WINDOW, "deadline_ms": 2000}), headers={"Idempotency-Key": "r"})
+        again = await client.post("/v1/infer", content=orjson.dumps(
+            {"inputs": WINDOW, "deadline_ms": 800, "priority": "critical"}),
+            headers={"Idempotency-Key": "r"})
+        assert first.status_code == again.status_code == 200
+        assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+        other = await client.post("/v1/infer", content=orjson.dumps(
+            {"inputs": WINDOW[:1], "deadline_ms": 800}), headers={"Idempotency-Key": "r"})
+        assert other.status_code == 422 and "different request body" in other.text
+
+
 async def test_a_replay_does_not_claim_a_cache_miss() -> None:
     async with in_process(DIALECTS_ENV) as (client, _):
         body = orjson.dumps({"inputs": WINDOW})

@@ -82,6 +82,14 @@ def _field(doc: dict[str, Any], name: str, request: Request, header: str) -> Any
     return request.headers.get(header) if value is None else value
 
 
+# What a retry may change and still ask for the same answer: its time left, its class.
+NOT_FINGERPRINTED = frozenset({"deadline_ms", "priority"})
+
+
+def _asked(doc: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in doc.items() if key not in NOT_FINGERPRINTED}
+
+
 class V1:
     """The ``/v1`` dialect: Vega's own JSON bodies and error shape (DESIGN.md)."""
 
@@ -116,7 +124,7 @@ class V1:
                     variant=shape if ident is None else f"{shape}:{ident}",
                     # Named for its protocol: one key on /v1 and /v2 is a conflict, not a
                     # replay of the other's answer.
-                    fingerprint=f"v1:{fingerprint(doc)}" if keyed else "",
+                    fingerprint=f"v1:{fingerprint(_asked(doc))}" if keyed else "",
                     context=(single, ident))
 
     def render(self, call: Call, answer: Answer) -> Reply:
