@@ -243,7 +243,6 @@ class SideRedis:
     def __init__(self, url: str, timeout_s: float) -> None:
         self.client = connect(url, timeout_s)
         self._down_until = 0.0
-        self.failures = 0
         self.timeouts = StallCheck(lambda: probe(self.client), lambda _error: self._down())
 
     @property
@@ -257,11 +256,9 @@ class SideRedis:
         try:
             return await op(self.client)
         except rexc.TimeoutError as exc:
-            self.failures += 1
             self.timeouts.timed_out(exc)  # a stall here must not turn the tiers off
             raise Unavailable(maybe_ran=True) from exc
         except (rexc.RedisError, OSError) as exc:
-            self.failures += 1
             self._down()
             raise Unavailable() from exc
 
