@@ -20,13 +20,12 @@ import pytest
 import uvloop
 
 from tests.infra import unavailable
-from tests.models import (FAIL_MARK, echo, encoder, per_patch, per_step, window,
-                          window_sum)
+from tests.models import FAIL_MARK, echo, encoder, per_patch, per_step, window, window_sum
 from tests.servers import VegaProcess, metric, served_device, wait_until
 from tests.virtual.test_batcher import config, item
 from vega.batcher import Batcher
-from vega.errors import VegaError
 from vega.config import load_settings
+from vega.errors import VegaError
 from vega.executor import Executor, process_plan
 from vega.modelproc import ModelProcessError, ProcessPlan
 from vega.modelproc.child import serve as child_serve
@@ -376,6 +375,27 @@ async def test_a_killed_model_process_fails_both_batches_it_held_and_comes_back(
         assert executor.restarts == 1 and executor.processes[0].pid != pid
     finally:
         executor.shutdown()
+
+
+@pytest.mark.parametrize("way", ["thread", "process"])
+async def test_a_stop_answers_the_batches_that_never_began(
+        way: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a drain runs out, the batch queued behind the running ones (one thread; two
+    lanes of a model process) is answered 503 draining: the pool dropped it unanswered."""
+    monkeypatch.setenv("TEST_SLEEP_MS", "300")
+    if way == "process":
+        executor, model = await echo_executor()
+    else:
+        model = echo("echo")
+        model.load(DEVICE)
+        executor = Executor({"echo": model})
+    batches = [echo_batch(model, 0.5) for _ in range(3 if way == "process" else 2)]
+    running = [executor.run(batch) for batch in batches]
+    await asyncio.sleep(0.1)
+    await executor.stop()
+    await asyncio.wait_for(asyncio.gather(*running), 5)
+    failures = [batch.items[0].future.exception() for batch in batches]  # each answered
+    assert isinstance(failures[-1], VegaError) and failures[-1].code == "draining"
 
 
 def infer(url: str, first: float = 0.5, deadline_ms: int = 10_000) -> httpx.Response:

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from vega.config import Settings, length_bounds
-from vega.errors import VegaError
+from vega.errors import VegaError, drain_ran_out
 from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
 from vega.modelproc.handle import Answered, Lane
@@ -130,6 +130,8 @@ class Executor:
                                         initializer=self._init_thread)
         self._workers: list[threading.Thread] = []  # the pool's, as each starts
         self._running = 0
+        # Batches handed to the pool and not begun: a stop answers them (the pool drops them).
+        self._queued: dict[Batch, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
         self.threads = threads
         self.busy_s = 0.0  # time the models spent on batches so far (utilisation = its rate)
         self._lock = threading.Lock()
@@ -216,7 +218,12 @@ class Executor:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         if self._plan is None:
-            self._pool.submit(self._work, loop, batch, done)
+            with self._lock:
+                self._queued[batch] = (loop, done)
+            try:
+                self._pool.submit(self._work, loop, batch, done)
+            except RuntimeError:  # stopped: the pool takes nothing more
+                self._never_run([batch])
             return done
         if self._loop is None:
             self.bind(loop)
@@ -273,6 +280,8 @@ class Executor:
     def _work(self, loop: asyncio.AbstractEventLoop, batch: Batch,
               done: asyncio.Future[None]) -> None:
         with self._lock:
+            if self._queued.pop(batch, None) is None:
+                return  # answered by a stop before it began
             self._running += 1
         outputs: list[Any] | None = None
         error: BaseException | None = None
@@ -325,6 +334,9 @@ class Executor:
     async def stop(self) -> None:
         """``shutdown`` from the loop: the model processes' pipes are let go of here first
         (``ModelProcess.stop_reading``), then the threads and processes end in a thread."""
+        waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:  # never sent to a model process: answered as never begun
+            job.answered(None, 0.0, time.monotonic(), drain_ran_out())
         for process in self.processes:
             process.stop_reading()
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
@@ -332,13 +344,30 @@ class Executor:
     def shutdown(self) -> None:
         """End the threads and model processes, waiting STOP_WAIT_S at most for a batch
         still running: a thread still in one after that (a hung model) is left behind
-        (``hung``), and the server exits without it."""
+        (``hung``), and the server exits without it. A batch queued for a thread and not
+        begun is answered as never begun (503 draining)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            queued = list(self._queued)
+        self._never_run(queued)
         end = time.monotonic() + STOP_WAIT_S
         for process in self.processes:  # first: a thread waiting on one is let go
             process.close(grace_s=max(0.0, end - time.monotonic()))
         for worker in self._workers:
             worker.join(max(0.0, end - time.monotonic()))
+
+    def _never_run(self, batches: list[Batch]) -> None:
+        """Answer ``batches`` as never begun, on their loop, unless a thread began them."""
+        for batch in batches:
+            with self._lock:
+                claimed = self._queued.pop(batch, None)
+            if claimed is None:
+                continue
+            loop, done = claimed
+            try:
+                loop.call_soon_threadsafe(self._resolve, batch, None, drain_ran_out(), done)
+            except RuntimeError:  # the loop closed during shutdown; nobody is waiting
+                pass
 
     @property
     def hung(self) -> bool:
