@@ -237,6 +237,35 @@ async def test_a_raising_model_fails_only_its_batch_in_a_model_process() -> None
         executor.shutdown()
 
 
+@pytest.mark.parametrize("way", ["thread", "process"])
+async def test_a_failed_batch_teaches_the_batch_time_predictor_nothing(way: str) -> None:
+    """Its time is how long the model took to raise (in a model process, measured here it
+    was also how late the loop came to the pipe): no batch time to predict from."""
+    model = load_model(ECHO, "m")
+    assert isinstance(model, SequenceModel)
+    if way == "process":
+        executor = Executor({"m": model}, plan=plan(ECHO, "m"))
+        await asyncio.get_running_loop().run_in_executor(None, executor.load, DEVICE)
+    else:
+        model.load(DEVICE)
+        executor = Executor({"m": model})
+    batcher = Batcher(config(max_wait_s=0.001), executor.run)
+    task = asyncio.create_task(batcher.run())
+    try:
+        failing = item(batcher, length=4, sample=model.decode(
+            [[FAIL_MARK] * 8, *window(3)])[0])
+        with pytest.raises(VegaError):
+            await asyncio.wait_for(failing.future, 10)
+        assert batcher.times.line(0) is None and executor.busy_s > 0
+        fine = item(batcher, length=4, sample=model.decode(window(4))[0])
+        await asyncio.wait_for(fine.future, 10)
+        assert batcher.times.line(0) is not None  # a batch that ran is measured
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        executor.shutdown()
+
+
 def test_an_answer_too_large_for_the_slot_crosses_whole_in_a_model_process() -> None:
     # 32 windows of 512 steps, 24 values a step: 1.5 MB of float32, past the 1-MiB slot
     # its inputs fit, so it comes inline. On uvloop, as `vega serve` runs, the loop's

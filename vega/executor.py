@@ -257,11 +257,13 @@ class Executor:
 
     def _ran(self, batch: Batch, done: asyncio.Future[None], outputs: list[Any] | None,
              held_s: float, ended_at: float, error: BaseException | None) -> None:
-        batch.infer_s, batch.ended_at = held_s, ended_at
+        batch.ended_at = ended_at
         self.busy_s += held_s
         if outputs is not None and len(outputs) != batch.size:
             error = RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
             outputs = None
+        if error is None:  # a failed batch's time is no batch time to predict from
+            batch.infer_s = held_s
         self._resolve(batch, outputs, error, done)
 
     def _resolve(self, batch: Batch, outputs: list[Any] | None, error: BaseException | None,
@@ -286,12 +288,14 @@ class Executor:
         outputs: list[Any] | None = None
         error: BaseException | None = None
         began = time.perf_counter()
+        held_s = 0.0
         runner = self._runners.get()
         try:
-            outputs, batch.infer_s = runner.run(
+            outputs, held_s = runner.run(
                 batch.model, [item.sample for item in batch.items], batch.pad_to)
             if len(outputs) != batch.size:
                 raise RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
+            batch.infer_s = held_s  # as in _ran: only a batch that ran trains the predictor
         except Exception as exc:  # the model's failure is this batch's alone
             error = exc
         finally:
@@ -299,7 +303,7 @@ class Executor:
             self._runners.put(runner)
             with self._lock:
                 self._running -= 1
-                self.busy_s += batch.infer_s or time.perf_counter() - began
+                self.busy_s += held_s or time.perf_counter() - began
         try:
             loop.call_soon_threadsafe(self._resolve, batch, outputs, error, done)
         except RuntimeError:  # the loop closed during shutdown; nobody is waiting

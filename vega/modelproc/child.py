@@ -124,8 +124,9 @@ def serve(models: dict[str, Any], slots: list[memoryview], conn: Connection) -> 
             return  # the parent died while the batch ran: nobody left to answer
         except Exception as error:  # the model's failure is this batch's alone
             log.warning("model %s raised: %r", request.get("model"), error)
-            conn.send_bytes(orjson.dumps({"ok": False, "ended_at": time.monotonic(),
-                                          "error": f"{type(error).__name__}: {error}"}))
+            conn.send_bytes(orjson.dumps({
+                "ok": False, "infer_s": time.perf_counter() - started,
+                "ended_at": time.monotonic(), "error": f"{type(error).__name__}: {error}"}))
 
 
 def _as_array(output: Any) -> Any:
