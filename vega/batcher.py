@@ -7,8 +7,7 @@ what is queued at once, a busy one lets batches grow until a thread is about to 
 a batch is due when full or when its oldest item has waited ``max_wait_s``. Formed batches go to
 an injected ``sink`` (the executor, or the overflow channel): no HTTP, torch or Redis here.
 
-What admission needs to decide (depth per class, backlog, service rate, predicted
-batch time) the batcher exposes as values.
+Admission reads what it decides on (depth per class, backlog, service rate, batch time) here.
 """
 
 from __future__ import annotations
@@ -108,9 +107,8 @@ class Batcher(Queues):
 
     @property
     def spare_threads(self) -> int:
-        """Executor threads this batcher's own work leaves free now: what peers may borrow.
-
-        Its own queued items come first (a process steals only when it has none)."""
+        """Executor threads this batcher's own work leaves free now: what peers may borrow
+        (its own queued items come first: a process steals only when it has none)."""
         if any(self._depth[:JOB]):
             return 0
         return max(0, self.config.parallelism - len(self._inflight))
@@ -149,8 +147,7 @@ class Batcher(Queues):
 
     def enqueue(self, item: Item) -> None:
         """Queue an admitted item; its future is answered exactly once from here on."""
-        loop = asyncio.get_running_loop()
-        item.enqueued_at = loop.time()
+        item.enqueued_at = asyncio.get_running_loop().time()
         queue = self._queues[item.bucket][item.priority]
         if not queue and item.priority != JOB:  # a new head: its last call may come first
             last_call = item.deadline - self._last_call_lead(item.bucket)
@@ -305,8 +302,7 @@ class Batcher(Queues):
         The batch serving the most items per second of model time goes first, so cheap
         windows wait behind no expensive ones; an item passed over for two of its own
         batches' time, or a quarter of the CoDel interval at most (so that its batch ends
-        before a standing queue would shed it), goes before those, oldest first.
-        """
+        before a standing queue would shed it), goes before those, oldest first."""
         size = self.config.max_batch_size
         overdue_s = min(2 * self.times.predict(bucket, size), self.standing_after_s / 4)
         if now - oldest > overdue_s:
@@ -376,21 +372,26 @@ class Batcher(Queues):
     def _take(self, bucket: int, count: int, items: list[Item], finish: float, now: float,
               lifo: bool, behind: bool) -> None:
         """Move up to ``count`` live items of ``bucket`` into ``items``, critical first."""
-        taken = 0
+        taken, item = 0, None
         lane, _ = self._lane()
-        for queue in self._queues[bucket][lane]:
-            while queue and taken < count:
-                item = queue.pop() if lifo else queue.popleft()
-                if not item.live:
-                    continue
-                self._count(item, -1)
-                item.dispatched_at = now
-                refusal = self._refuse_at_dispatch(item, finish, now, behind)
-                if refusal is not None:
-                    item.future.set_exception(refusal)
-                else:
-                    items.append(item)
-                    taken += 1
+        try:
+            for queue in self._queues[bucket][lane]:
+                while queue and taken < count:
+                    item = queue.pop() if lifo else queue.popleft()
+                    if not item.live:
+                        continue
+                    self._count(item, -1)
+                    item.dispatched_at = now
+                    refusal = self._refuse_at_dispatch(item, finish, now, behind)
+                    if refusal is not None:
+                        item.future.set_exception(refusal)
+                    else:
+                        items.append(item)
+                        taken += 1
+        except Exception:
+            if item is not None and item not in items:  # popped, in no queue: pump fails it
+                items.append(item)
+            raise
 
     def _shed(self, now: float) -> VegaError:
         self._shed_at = now

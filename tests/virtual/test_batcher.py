@@ -58,7 +58,8 @@ Start = Callable[..., tuple[Batcher, RecordingSink]]
 async def running() -> AsyncIterator[Callable[..., tuple[Batcher, RecordingSink]]]:
     tasks: list[asyncio.Task[None]] = []
 
-    def start(sink: RecordingSink | None = None, **changes: object) -> tuple[Batcher, RecordingSink]:
+    def start(sink: RecordingSink | None = None,
+              **changes: object) -> tuple[Batcher, RecordingSink]:
         sink = sink or RecordingSink()
         batcher = Batcher(config(**changes), sink)
         tasks.append(asyncio.create_task(batcher.run()))
@@ -126,7 +127,8 @@ async def test_busy_executor_holds_a_partial_batch_past_the_wait(running: Start)
     await asyncio.sleep(0.05)
     assert len(sink.batches) == 2 and batcher.depth() == 1
     sink.gate.set()
-    await asyncio.wait_for(asyncio.gather(*(i.future for i in [first, *later, *more, straggler])), 5)
+    everyone = [first, *later, *more, straggler]
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in everyone)), 5)
     assert [b.size for b in sink.batches] == [1, 4, 1]
 
 
@@ -554,7 +556,8 @@ async def test_measures_batch_times_and_service_rate(running: Start) -> None:
     assert batcher.rate.items_per_s == pytest.approx(4 / 0.001)
 
 
-async def test_standing_queue_serves_newest_first_and_sheds_old_non_critical(running: Start) -> None:
+async def test_standing_queue_serves_newest_first_and_sheds_old_non_critical(
+        running: Start) -> None:
     sink = RecordingSink()
     sink.gate.clear()
     batcher, _ = running(sink, max_inflight=1, max_batch_size=1, max_wait_s=0.0,
@@ -836,3 +839,29 @@ async def test_a_drain_sees_idle_once_the_last_item_is_refused_at_its_last_call(
         await asyncio.wait_for(doomed.future, 5)
     assert sink.batches == []
     await asyncio.wait_for(idle, 5)  # not the drain's whole timeout
+
+
+def _raise(*_args: object) -> bool:
+    raise RuntimeError("a bug in the batcher")
+
+
+@pytest.mark.parametrize("where", ["hang-up check", "dispatch refusal"])
+async def test_an_item_taken_as_its_batch_formation_raised_is_answered_and_uncounted(
+        running: Start, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    # Popped from its deque before the check raised, it was in no queue and no batch: its
+    # caller waited forever and a drain waited out its whole timeout on its count.
+    batcher, sink = running(max_wait_s=0.001)
+    first = item(batcher)
+    if where == "hang-up check":  # raises once taken: looked at in its queue, it answered
+        queue = batcher._queues[first.bucket][first.priority]
+        first.gone = lambda: first not in queue and _raise()
+    else:
+        monkeypatch.setattr(Batcher, "_refuse_at_dispatch", _raise)
+    with pytest.raises(VegaError) as failed:
+        await asyncio.wait_for(first.future, 5)
+    assert failed.value.code == "model_error"
+    await asyncio.wait_for(batcher.wait_idle(), 5)
+    assert batcher.depth() == 0 and not sink.batches
+    monkeypatch.undo()
+    after = item(batcher)  # the loop went on
+    assert await asyncio.wait_for(after.future, 5) == after.id
