@@ -378,6 +378,39 @@ async def test_a_loop_that_comes_late_takes_every_answer_waiting_at_once(
         executor.shutdown()
 
 
+async def test_a_pipe_closed_by_the_watcher_during_a_send_answers_the_batch_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher thread stops the child while the loop is in a send: it waits for the
+    send to end. Closed under it, the send raised TypeError (os.write on None) with the
+    batch already held; failed by the executor and again at the loss, its lane was freed
+    twice and two batches came to share one slot."""
+    executor, model = await echo_executor()
+    handle = executor.processes[0]
+    stopper = threading.Thread(target=handle._stop_child, args=(0.0,))
+    try:
+        await executor.run(echo_batch(model))  # the loop drives this life from now on
+        assert handle._life is not None
+        conn = handle._life.conn
+        send = conn._send  # type: ignore[attr-defined]
+
+        def racing(buffer: bytes) -> None:
+            stopper.start()
+            stopper.join(0.2)
+            send(buffer)
+
+        monkeypatch.setattr(conn, "_send", racing)
+        batch = echo_batch(model)
+        await asyncio.wait_for(executor.run(batch), 10)
+        await asyncio.sleep(0.3)  # the child's loss, read on later turns of the loop
+        assert batch.items[0].future.done()
+        batch.items[0].future.exception()  # answered, once: run or failed with the child
+        assert executor.busy == 0
+        assert sorted(lane.index for lane in executor._free) == [0, 1]
+    finally:
+        stopper.join(10)
+        executor.shutdown()
+
+
 async def test_a_killed_model_process_fails_both_batches_it_held_and_comes_back(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_HANG_MS", "5000")

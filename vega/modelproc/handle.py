@@ -7,11 +7,10 @@ when the running one ends, so the child goes from one forward pass to the next w
 waiting on the parent.
 
 Two ways to drive it, one per life of the child: from the event loop (``submit``: the
-loop packs, sends, and reads the answers when the pipe turns readable, so no thread of
-this process wakes for a batch or contends with the loop for the GIL), or from threads
-(``run``, blocking: warm-up before serving and ``vega profile``). A child that dies or
-runs past ``timeout_s`` fails the batches it held; the handle then restarts it in the
-background with backoff and is unavailable until it is warm.
+loop packs, sends, and reads the answers when the pipe turns readable: no thread wakes
+for a batch), or from threads (``run``, blocking: warm-up and ``vega profile``). A child
+that dies or runs past ``timeout_s`` fails the batches it held; the handle then restarts
+it in the background with backoff and is unavailable until it is warm.
 """
 
 from __future__ import annotations
@@ -42,8 +41,6 @@ log = logging.getLogger("vega.modelproc")
 
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 STABLE_AFTER_S = 60.0  # a child that lived this long resets the backoff
-
-
 INLINE_WAIT_S = 10  # the longest a payload still being written may hold the loop
 
 
@@ -204,8 +201,8 @@ class ModelProcess:
         """Send one batch through slot ``lane`` from the running loop; ``answered`` is
         called on the loop once the child answers or fails it (never before this returns).
 
-        Raises VegaError(not_ready) while the child restarts, and the slot's errors for
-        samples that cannot cross (then nothing was sent)."""
+        Raises VegaError(not_ready) while the child restarts or once its pipe is gone, and
+        the slot's errors for samples that cannot cross (nothing was sent, either way)."""
         life = self._life
         if self._up.is_set() and life is not None and life.loop is None:
             self._attach(life, asyncio.get_running_loop())  # this life's first batch
@@ -214,17 +211,18 @@ class ModelProcess:
             raise VegaError("not_ready", "the model process is restarting",
                             retry_after_ms=1000.0 * self._backoff_s())
         message = self._pack(lane, model, samples, pad_to)
-        life.in_child.append(_Sent(lane, answered, time.perf_counter()))
         try:
             # A few hundred bytes, at most ``lanes`` unread: the socket buffer takes it
             # without blocking the loop.
             with self._send_lock:
                 life.conn.send_bytes(message)
                 life.sent += 1
-        except OSError as error:
+        except OSError as error:  # not sent, so not held: the caller fails it, _lost the rest
             asyncio.get_running_loop().call_soon(
                 self._lost, life, f"died during a batch ({type(error).__name__})")
-            return
+            raise VegaError("not_ready", "the model process is restarting",
+                            retry_after_ms=1000.0 * self._backoff_s()) from None
+        life.in_child.append(_Sent(lane, answered, time.perf_counter()))
         if len(life.in_child) == 1:
             self._arm(life)
 
@@ -440,7 +438,8 @@ class ModelProcess:
         life, self._life = self._life, None
         if life is None:
             return
-        life.conn.close()  # the child's recv sees EOF and it returns
+        with self._send_lock:  # not while the loop sends on it: os.write(None) raised there
+            life.conn.close()  # the child's recv sees EOF and it returns
         try:
             life.process.wait(grace_s)
         except subprocess.TimeoutExpired:
