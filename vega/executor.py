@@ -35,7 +35,7 @@ from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
 from vega.modelproc.handle import Answered, Lane
 from vega.modelproc.slot import ALIGN
-from vega.models import ModelAdapter, holds_the_gil, release
+from vega.models import ModelAdapter, holds_the_gil, identity, release
 from vega.models.loader import ModelLoadError
 from vega.records import JOB, Batch
 
@@ -158,7 +158,8 @@ class Executor:
             for adapter in self.models.values():
                 self._pool.submit(adapter.load, device).result()
             return
-        plan = dataclasses.replace(self._plan, device=device)
+        plan = dataclasses.replace(self._plan, device=device, identities=tuple(
+            (name, identity(adapter)) for name, adapter in self.models.items()))
         if plan.cpus:
             mine = keep_off(plan.cpus)
             log.info("model processes on CPU(s) %s, this process on %s",

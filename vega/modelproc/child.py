@@ -26,6 +26,7 @@ import orjson
 
 from vega.modelproc import slot
 from vega.modelproc.affinity import pin_process
+from vega.models.digest import identity
 
 log = logging.getLogger("vega.modelproc")
 
@@ -68,13 +69,29 @@ def main(argv: list[str]) -> int:
     # serving process's metadata: it never runs the models itself.
     outputs = {name: [list(spec.shape) for spec in adapter.outputs]
                for name, adapter in models.items()}
-    conn.send_bytes(orjson.dumps({"ready": True, "pid": os.getpid(), "outputs": outputs}))
+    # What it built, which the serving process compares with what it advertises (peers and
+    # the response cache key on it): a model file overwritten since then is another model.
+    identities = {name: identity(adapter) for name, adapter in models.items()}
+    conn.send_bytes(orjson.dumps({"ready": True, "pid": os.getpid(), "outputs": outputs,
+                                  "identities": identities}))
     serve(models, slots, conn)
     return 0
 
 
 def encode_config(config: ChildConfig) -> bytes:
     return orjson.dumps(dataclasses.asdict(config))
+
+
+def changed(expected: tuple[tuple[str, str], ...], hello: dict[str, Any]) -> str | None:
+    """Why a child that built models other than ``expected`` ((name, identity) pairs, what
+    the serving process advertises) must not serve, or None when it built the same."""
+    built = hello.get("identities") or {}
+    for name, known in expected:
+        if built.get(name) != known:
+            return (f"model {name!r} on disk changed since this process loaded it "
+                    f"(identity {known}, now {built.get(name)}): restart the process to "
+                    "serve it")
+    return None
 
 
 def _load(config: ChildConfig) -> dict[str, Any]:

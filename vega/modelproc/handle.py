@@ -35,7 +35,7 @@ import orjson
 
 from vega.errors import VegaError
 from vega.modelproc import slot
-from vega.modelproc.child import ChildConfig, encode_config
+from vega.modelproc.child import ChildConfig, changed, encode_config
 
 log = logging.getLogger("vega.modelproc")
 
@@ -82,6 +82,7 @@ class ProcessPlan:
     warm_shapes: tuple[tuple[str, int, int], ...] = ()  # run after a restart, before ready
     cpus: tuple[int, ...] = ()  # VEGA_MODEL_CPUS: where the child runs; empty = anywhere
     lanes: int = 2  # batches the child may hold at once: one running, one waiting in its pipe
+    identities: tuple[tuple[str, str], ...] = ()  # (model, identity()) a child must have built
 
 
 # Called on the loop with a batch's outputs, the seconds it held the child and when it ended
@@ -161,7 +162,6 @@ class ModelProcess:
                             retry_after_ms=1000.0 * self._backoff_s())
         if life.loop is not None:
             raise RuntimeError("this model process is driven from an event loop")
-        buffer = self._slots[lane]
         message = self._pack(lane, model, samples, pad_to)
         try:
             with self._send_lock:
@@ -186,7 +186,7 @@ class ModelProcess:
             self._kill(life, f"died during a batch ({type(error).__name__})")
         if not reply.get("ok"):
             raise ModelRaised(str(reply.get("error", "model failed")))
-        outputs = slot.unpack(buffer if payload is None else payload, reply, copy=True)
+        outputs = slot.unpack(self._slots[lane] if payload is None else payload, reply, copy=True)
         return outputs, time.perf_counter() - started
 
     def _pack(self, lane: int, model: str, samples: list[Any], pad_to: int) -> bytes:
@@ -385,9 +385,10 @@ class ModelProcess:
         except ModelProcessError:
             self._stop_child(grace_s=0.0)
             raise
-        if not hello.get("ready"):
+        why = changed(plan.identities, hello) if hello.get("ready") else str(hello.get("error"))
+        if why is not None:
             self._stop_child(grace_s=1.0)
-            raise ModelProcessError(f"model process failed to start: {hello.get('error')}")
+            raise ModelProcessError(f"model process failed to start: {why}")
         self.pid = process.pid
         self.output_shapes = hello.get("outputs", {})
         self._started_at = time.monotonic()
