@@ -199,8 +199,8 @@ class Batcher(Queues):
     def pump(self) -> float | None:
         """Dispatch every batch that is due now; return when one next falls due by waiting.
 
-        Synchronous, so a finished batch's callback can start the next one at once
-        (see ``_finished``). None: nothing falls due by time alone; an event wakes the loop.
+        Synchronous, so a batch's end starts the next one at once (``batch.on_end`` calls
+        ``_released``, then ``_pump_here``). None: nothing falls due by time alone.
         """
         loop = asyncio.get_running_loop()
         wake_at: float | None = None

@@ -215,7 +215,8 @@ class Executor:
             self._loop = loop
 
     def run(self, batch: Batch) -> asyncio.Future[None]:
-        """Run ``batch``; the returned future and its items' futures are settled together."""
+        """Run ``batch``; the returned future settles as it ends, with its items' futures,
+        except a failed job batch's: those items then run again alone, settled later."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         if self._plan is None:

@@ -41,12 +41,12 @@ log = logging.getLogger("vega.modelproc")
 
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 STABLE_AFTER_S = 60.0  # a child that lived this long resets the backoff
-INLINE_WAIT_S = 10  # the longest a payload still being written may hold the loop
+INLINE_WAIT_S = 10  # the longest one recv of a payload being written may block (SO_RCVTIMEO)
 
 
 def _read_whole(reader: Connection) -> bytes:
-    """An inline payload read to its end, blocking while the child writes it (a copy; at
-    most INLINE_WAIT_S). The loop's reader does not block (uvloop makes it so), and a read
+    """An inline payload read to its end, blocking while the child writes it (a copy; each
+    recv at most INLINE_WAIT_S). The loop's reader does not block (uvloop makes it so), and a read
     of megabytes not all written yet failed half-way, taken for the child's death."""
     fd = reader.fileno()
     os.set_blocking(fd, True)
