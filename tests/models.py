@@ -334,3 +334,18 @@ def heavy(name: str) -> Any:
             return x.mean(dim=1) + self.weights[0, 0, :8]
 
     return Heavy()
+
+
+def drawn(name: str) -> Any:
+    """A linear layer drawn without a seed: other weights in every process that builds it."""
+    import torch
+
+    class Drawn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return self.linear(x.mean(dim=1))
+
+    return Drawn()

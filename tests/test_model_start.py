@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import httpx
@@ -61,5 +63,23 @@ def test_the_serving_process_keeps_no_copy_of_weights_its_model_process_runs(
         assert rss_mb(child) - rss_mb(proc.proc.pid) > 192, (rss_mb(child), rss_mb(proc.proc.pid))
         assert httpx.post(proc.url + "/v1/infer",
                           json={"inputs": [[1.0] * 8] * 4}).json()["outputs"] == [1.0] * 8
+    finally:
+        proc.stop()
+
+
+def test_a_module_drawn_without_a_seed_starts_and_comes_back_after_a_crash(
+        tmp_path: Path) -> None:
+    proc = VegaProcess({"VEGA_MODEL": "python:tests.models:drawn", "VEGA_EXECUTOR": "process"},
+                       log_path=tmp_path / "log").start()
+    try:
+        body = {"inputs": [[1.0] * 8] * 4}
+        first = httpx.post(proc.url + "/v1/infer", json=body)
+        assert first.status_code == 200 and "drawn without a seed?" in proc.log()
+        [child] = httpx.get(proc.url + "/v1/status").json()["executor"]["pids"]
+        os.kill(child, signal.SIGKILL)
+        wait_until(lambda: httpx.get(proc.url + "/v1/status").json()["executor"]["pids"]
+                   not in ([child], [None], []) and httpx.get(proc.url + "/readyz").status_code
+                   == 200, 60, "the model process back")
+        assert httpx.post(proc.url + "/v1/infer", json=body).status_code == 200
     finally:
         proc.stop()

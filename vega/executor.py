@@ -35,7 +35,7 @@ from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
 from vega.modelproc.handle import Answered, Lane
 from vega.modelproc.slot import ALIGN
-from vega.models import ModelAdapter, holds_the_gil, identity, release
+from vega.models import ModelAdapter, adopt, holds_the_gil, identity, release
 from vega.models.loader import ModelLoadError
 from vega.records import JOB, Batch
 
@@ -158,8 +158,7 @@ class Executor:
             for adapter in self.models.values():
                 self._pool.submit(adapter.load, device).result()
             return
-        plan = dataclasses.replace(self._plan, device=device, identities=tuple(
-            (name, identity(adapter)) for name, adapter in self.models.items()))
+        plan = dataclasses.replace(self._plan, device=device)
         if plan.cpus:
             mine = keep_off(plan.cpus)
             log.info("model processes on CPU(s) %s, this process on %s",
@@ -168,10 +167,31 @@ class Executor:
             process = ModelProcess(plan, index)
             self.processes.append(process)
             process.start()
+            if index == 0:  # what it built is what this process serves, and every later start
+                plan = dataclasses.replace(plan, identities=self._adopt_identities(
+                    process.built.get("identities") or {}))
+                process.plan = plan
+                self._adopt_output_shapes(process.built.get("outputs") or {})
             for lane in process.lanes:
                 self._runners.put(lane)
                 self._free.append(lane)
-        self._adopt_output_shapes(self.processes[0].output_shapes)
+
+    def _adopt_identities(self, built: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+        """The identities a model process started later, or again, must have built, or it
+        is not used (a model file changed on disk). A model the first model process built
+        otherwise than this process draws its weights (no seed): its copy is served under
+        its identity, and each start draws again, so that model is not checked."""
+        checked = []
+        for name, adapter in self.models.items():
+            known = built.get(name, identity(adapter))
+            if known == identity(adapter):
+                checked.append((name, known))
+                continue
+            log.warning("model %s: the model process built other weights or code than this "
+                        "process (drawn without a seed?): serving its own, identity %s; a "
+                        "restarted model process draws again", name, known)
+            adopt(adapter, known)
+        return tuple(checked)
 
     def _adopt_output_shapes(self, shapes: Mapping[str, list[list[int]]]) -> None:
         """The output shapes the model processes found loading the models (whether a model

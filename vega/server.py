@@ -185,6 +185,10 @@ class Relief:
         models = {name: identity(adapters[name]) for name in models_to_cache(s, adapters)}
         self.cache = ResponseCache(s.cache_bytes, models, runtime.metrics, self.side,
                                    s.cache_redis_ttl_s) if models else None
+        if self.cache is not None:  # once started: a model process's copy may differ
+            known = self.cache.models
+            runtime.on_start.append(lambda error: None if error else known.update(
+                {name: identity(adapters[name]) for name in known}))
         self.idempotency = Idempotency(s.idempotency_ttl_s, s.idempotency_max_keys,
                                        runtime.metrics, self.side)
 

@@ -88,9 +88,9 @@ def changed(expected: tuple[tuple[str, str], ...], hello: dict[str, Any]) -> str
     built = hello.get("identities") or {}
     for name, known in expected:
         if built.get(name) != known:
-            return (f"model {name!r} on disk changed since this process loaded it "
-                    f"(identity {known}, now {built.get(name)}): restart the process to "
-                    "serve it")
+            return (f"model {name!r} is not the one this process serves (identity {known}, "
+                    f"built now {built.get(name)}): it changed on disk? Restart the process "
+                    "to serve it")
     return None
 
 

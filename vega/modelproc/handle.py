@@ -123,8 +123,8 @@ class ModelProcess:
         self.index = index
         self.restarts = 0
         self.pid: int | None = None
-        # Each model's output shapes as the child found them loading it (model name: shapes).
-        self.output_shapes: dict[str, list[list[int]]] = {}
+        # What the child found loading its models, by name: "outputs" (shapes), "identities".
+        self.built: dict[str, Any] = {}
         # A memfd: no name to leak, freed once both processes have closed it.
         self._slot_fd = os.memfd_create(f"vega-slot-{index}")
         os.ftruncate(self._slot_fd, plan.slot_bytes * plan.lanes)
@@ -390,7 +390,7 @@ class ModelProcess:
             self._stop_child(grace_s=1.0)
             raise ModelProcessError(f"model process failed to start: {why}")
         self.pid = process.pid
-        self.output_shapes = hello.get("outputs", {})
+        self.built = hello
         self._started_at = time.monotonic()
         if restart:  # counted before it is seen up, so whoever sees it up sees the count
             self.restarts += 1

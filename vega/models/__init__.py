@@ -8,8 +8,8 @@ from vega.models.base import (
     holds_the_gil,
     release,
 )
-from vega.models.digest import identity
+from vega.models.digest import adopt, identity
 from vega.models.loader import load_model
 
-__all__ = ["ModelAdapter", "SequenceModel", "TensorSpec", "decode_all", "holds_the_gil",
-           "identity", "load_model", "release"]
+__all__ = ["ModelAdapter", "SequenceModel", "TensorSpec", "adopt", "decode_all",
+           "holds_the_gil", "identity", "load_model", "release"]

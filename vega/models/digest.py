@@ -30,6 +30,11 @@ def identity(adapter: ModelAdapter) -> str:
     return known
 
 
+def adopt(adapter: ModelAdapter, known: str) -> None:
+    """Take ``known`` as the model's identity: that of the copy a model process built."""
+    _IDENTITIES[adapter] = known
+
+
 def code_of(module: Any) -> list[bytes]:
     """What a module's forward passes run besides torch itself: the source file of each
     of its modules' classes, or a TorchScript module's own code (no file to read)."""
