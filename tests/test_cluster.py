@@ -231,6 +231,25 @@ async def test_nginx_spreads_requests_and_passes_429_through(
     assert sum(metric(p, "vega_requests_total") for p in procs) == 12  # nothing retried
 
 
+async def test_job_calls_while_redis_is_away_do_not_take_processes_out_of_nginx(
+        redis_server: RedisServer, vega: Callable[..., VegaProcess],
+        nginx: Callable[[Sequence[str]], Nginx]) -> None:
+    # A job call gets 503 while the job store is away, from every process alike. Counted
+    # against the processes (max_fails=1), two such calls took both out of the upstream
+    # for a second, and inference through Nginx got 502 "no live upstreams" meanwhile.
+    procs = [vega(**CLUSTER_ENV, VEGA_REDIS_URL=redis_server.url) for _ in range(2)]
+    proxy = nginx([f"127.0.0.1:{p.port}" for p in procs])
+    redis_server.stop()
+    async with httpx.AsyncClient(timeout=30) as client:
+        jobs = [await client.post(proxy.url + "/v1/jobs", json={"inputs": window(2)})
+                for _ in range(3)]
+        assert {r.status_code for r in jobs} == {503}
+        answers = [await client.post(proxy.url + "/v1/infer", json={"inputs": window(2)})
+                   for _ in range(10)]
+    redis_server.start()
+    assert [r.status_code for r in answers] == [200] * 10
+
+
 async def test_slow_redis_times_out_to_local_serving_and_recovers(
         redis_server: RedisServer, vega: Callable[..., VegaProcess]) -> None:
     a, _b, values, load = await overflowing_pair(vega, redis_server.url)

@@ -43,7 +43,8 @@ def render_nginx(upstreams: Sequence[str], listen: str, prefix: Path, *,
         if key == "servers":
             if any(s.lstrip().startswith("server ") for s in out[-1:]):
                 continue  # written once, for all upstreams
-            out += [f"{indent}server {u} max_fails=1 fail_timeout=1s;" for u in upstreams]
+            options = line.split("#")[0].split(";")[0].split()[2:]  # the template's own
+            out += [" ".join([f"{indent}server", u, *options]) + ";" for u in upstreams]
         elif key == "pid":
             out.append(f"{indent}pid {prefix / 'nginx.pid'};")
         elif key == "error_log":
