@@ -83,7 +83,7 @@ class Reporter:
                 "executor": {"kind": executor.kind, "threads": executor.threads,
                              "processes_up": sum(p.up for p in executor.processes),
                              "restarts": executor.restarts,
-                             "pids": [p.pid for p in executor.processes]},
+                             "pids": [p.pid if p.up else None for p in executor.processes]},
                 "active_requests": self.rt.active_requests, "loop": self.rt.lag.status(),
                 "models": models, "outcomes": self.outcomes(),
                 "redis_up": self.rt.streams is not None and self.rt.streams.up,
