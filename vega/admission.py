@@ -115,8 +115,10 @@ class Admission:
             self.bucket = TokenBucket(config.rate_limit, size, reserve, now)
 
     def admit(self, priority: int, buckets: Sequence[int], deadline: float,
-              now: float) -> list[float]:
-        """Admit a request of ``len(buckets)`` items or raise; return each item's cost."""
+              now: float, arrived: float | None = None) -> list[float]:
+        """Admit a request of ``len(buckets)`` items or raise; return each item's cost.
+        ``arrived``: when the request came in, if before ``now`` (its deadline counts
+        from then)."""
         costs = [self.batcher.item_cost(bucket) for bucket in buckets]
         self._check_room(priority, len(buckets))
         model = self.batcher.config.model
@@ -126,7 +128,8 @@ class Admission:
         ahead_s = self.batcher.backlog_s(priority) / share  # the work served before it
         try:
             self._check_queue_time(priority, buckets, ahead_s, share, now)
-            self._check_deadline(priority, buckets, deadline, ahead_s, now)
+            self._check_deadline(buckets, deadline, ahead_s, now,
+                                 now if arrived is None else arrived)
         except VegaError:
             if self.reach is not None and self.reach.room(model):
                 self.refused_with_room += 1
@@ -198,35 +201,40 @@ class Admission:
             raise VegaError(code, reason,
                             retry_after_ms=max(MIN_RETRY_MS, 1000 * (ahead_s - target)))
 
-    def _check_deadline(self, priority: int, buckets: Sequence[int], deadline: float,
-                        ahead_s: float, now: float) -> None:
+    def _check_deadline(self, buckets: Sequence[int], deadline: float, ahead_s: float,
+                        now: float, arrived: float) -> None:
         batcher = self.batcher
         finish = now + ahead_s + self.config.margin_s
         size = batcher.config.max_batch_size
         worst = own_s = 0.0
         counts = ((buckets[0], 1),) if len(buckets) == 1 else Counter(buckets).items()
+        idle = batcher.config.dispatch_when_idle  # then a free thread takes a batch at once
+        free = idle and batcher.inflight < batcher.config.parallelism
         for bucket, mine in counts:
-            worst = max(worst, self._first_batch_s(bucket, batcher.bucket_depth(bucket) + mine))
+            worst = max(worst, self._first_batch_s(bucket, batcher.bucket_depth(bucket) + mine,
+                                                   free))
             if mine > size:  # the full batches its own items need past that one, in turn
                 own_s += (mine - 1) // size * batcher.times.predict(bucket, size)
         own_s /= batcher.config.parallelism
         if finish + worst + own_s <= deadline:
             return
+        # On an idle server from its arrival: past the deadline even then, no retry would
+        # meet it either.
         alone_s = self.config.margin_s + own_s + max(
-            self._first_batch_s(bucket, mine) for bucket, mine in counts)
-        if now + alone_s > deadline:  # with nothing ahead: no retry would meet it either
-            raise NeverFits("invalid_input", f"predicted to take {1000 * alone_s:.1f} ms "
-                            f"with nothing queued, more than the "
-                            f"{1000 * max(0.0, deadline - now):.1f} ms left of its deadline")
+            self._first_batch_s(bucket, mine, idle) for bucket, mine in counts)
+        if arrived + alone_s > deadline:
+            raise NeverFits("invalid_input", f"predicted to take {1000 * alone_s:.1f} ms on "
+                            f"an idle server, more than its deadline "
+                            f"({1000 * (deadline - arrived):.1f} ms)")
         raise VegaError("deadline_unmeetable",
                         f"predicted to finish {1000 * (finish + worst + own_s - deadline):.1f} "
                         "ms after its deadline", retry_after_ms=max(MIN_RETRY_MS, 1000 * ahead_s))
 
-    def _first_batch_s(self, bucket: int, waiting: int) -> float:
+    def _first_batch_s(self, bucket: int, waiting: int, free: bool = False) -> float:
         """Until the first batch of ``bucket`` with ``waiting`` items queued ends: one that
-        will not fill waits out the window before it runs."""
+        will not fill waits out the window before it runs, unless a thread is ``free``."""
         config = self.batcher.config
-        wait_s = 0.0 if waiting >= config.max_batch_size else config.max_wait_s
+        wait_s = 0.0 if free or waiting >= config.max_batch_size else config.max_wait_s
         return wait_s + self.batcher.times.predict(bucket, min(config.max_batch_size, waiting))
 
     def _drain_ms(self, items: int) -> float:

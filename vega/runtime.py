@@ -282,7 +282,7 @@ class Runtime:
         deadline = (now if arrived is None else arrived) + deadline_ms / 1000
         if deadline <= now:
             raise VegaError("deadline_exceeded", "deadline passed before the request was read")
-        served, costs = self._admit(asked, instances, priority, deadline, now)
+        served, costs = self._admit(asked, instances, priority, deadline, now, arrived)
         batcher = served.batcher
         try:
             decoded = decode_all(served.adapter, instances)
@@ -309,7 +309,7 @@ class Runtime:
         return answer
 
     def _admit(self, served: Served, instances: Sequence[Any], priority: int, deadline: float,
-               now: float) -> tuple[Served, list[float]]:
+               now: float, arrived: float | None) -> tuple[Served, list[float]]:
         """Admit on the main model, or on the fallback for a degradable class under pressure.
 
         Degradable requests go to the fallback once the main model's queue is past
@@ -318,22 +318,22 @@ class Runtime:
         """
         fallback = self.fallback_for(served, priority)
         if fallback is None:
-            return served, self._admit_on(served, instances, priority, deadline, now)
+            return served, self._admit_on(served, instances, priority, deadline, now, arrived)
         order = [served, fallback]
         if served.batcher.depth() >= self.settings.degrade_watermark * self.settings.queue_capacity:
             order.reverse()
         try:
-            return order[0], self._admit_on(order[0], instances, priority, deadline, now)
+            return order[0], self._admit_on(order[0], instances, priority, deadline, now, arrived)
         except VegaError as error:
             if error.code not in REFUSALS and not isinstance(error, NeverFits):
                 raise
-        return order[1], self._admit_on(order[1], instances, priority, deadline, now)
+        return order[1], self._admit_on(order[1], instances, priority, deadline, now, arrived)
 
     @staticmethod
     def _admit_on(served: Served, instances: Sequence[Any], priority: int, deadline: float,
-                  now: float) -> list[float]:
+                  now: float, arrived: float | None) -> list[float]:
         buckets = [served.batcher.bucket_of(_length_hint(instance)) for instance in instances]
-        return served.admission.admit(priority, buckets, deadline, now)
+        return served.admission.admit(priority, buckets, deadline, now, arrived)
 
     def fallback_for(self, served: Served, priority: int) -> Served | None:
         """The fallback that may serve ``priority`` requests for ``served``, if any."""
