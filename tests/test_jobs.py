@@ -625,6 +625,23 @@ async def test_a_request_too_large_to_queue_inline_becomes_a_job_when_asked() ->
         assert (await until_final(client, turned.json()["id"]))["status"] == "done"
 
 
+async def test_with_the_job_store_away_a_refusal_to_turn_into_a_job_stands(
+        tmp_path: Any) -> None:
+    # Not a 503: behind Nginx a 503 takes this process out of the upstream, and the job
+    # store is away for every process alike.
+    server = RedisServer(tmp_path).start()
+    try:
+        async with served(VEGA_REDIS_URL=server.url) as (client, _runtime, _):
+            server.stop()
+            turned = await client.post("/v1/infer", content=orjson.dumps(
+                {"inputs": window(4)}), headers={"Prefer": "respond-async",
+                                                 "X-Vega-Deadline-Ms": "1"})
+            assert turned.status_code == 422, turned.text  # what it was refused inline
+            assert "idle server" in turned.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
 async def test_a_job_body_slower_than_any_inline_deadline_is_taken() -> None:
     # The inline bound on a body (VEGA_MAX_DEADLINE_MS) is not a job's: it may wait hours.
     env = {**BASE, "VEGA_MAX_DEADLINE_MS": "1000", "VEGA_DEFAULT_DEADLINE_MS": "500"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -372,6 +373,27 @@ def test_torchscript_compiles_at_load_not_in_the_first_timed_pass() -> None:
     model.load("cpu")
     assert isinstance(model.module, torch.jit.ScriptModule)
     assert len(model.module.get_debug_state().execution_plans) >= 1
+
+
+def test_a_scripted_models_identity_is_the_same_before_and_after_it_is_loaded() -> None:
+    # The serving process hashes the built-in model unloaded, its model process (or its
+    # peers, or its cache) loaded, where the module is TorchScript by then.
+    built = identity(load_model("sensor-small"))
+    loaded = load_model("sensor-small")
+    loaded.load("cpu")
+    assert identity(loaded) == built
+
+
+def test_a_module_defined_where_no_source_file_tells_has_an_identity() -> None:
+    code = ("import torch\n"
+            "from vega.models import SequenceModel, identity\n"
+            "class M(torch.nn.Module):\n"
+            "    def forward(self, x, lengths):\n"
+            "        return x.mean(1)\n"
+            "print(identity(SequenceModel(M(), 'm', channels=8, max_length=16)))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("1:"), done.stderr[-500:]
 
 
 def test_new_code_under_the_same_weights_changes_a_modules_identity(

@@ -657,9 +657,10 @@ async def test_a_peer_s_beat_with_spare_threads_that_are_no_count_lends_nothing(
         runtime: Runtime, redis_server: RedisServer) -> None:
     """Admission sums the spare threads of every live peer for each request: a beat saying
     {"echo": "2"} made that sum raise TypeError in every request, and a negative count
-    could zero the share admission divides by."""
+    could zero the share admission divides by; a huge one lifted every local bound."""
     client = aioredis.Redis.from_url(redis_server.url)
-    spares = {"text": {"echo": "2"}, "minus": {"echo": -1}, "list": ["echo"], "fine": {"echo": 1}}
+    spares = {"text": {"echo": "2"}, "minus": {"echo": -1}, "list": ["echo"], "fine": {"echo": 1},
+              "boast": {"echo": 1e300}}  # believed, it lifted every queue bound here
     try:
         for name, spare in spares.items():
             await client.hset(node_key(name), mapping={

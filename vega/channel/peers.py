@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -146,7 +145,10 @@ def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
         return None
 
 
+MAX_SPARE = 4096  # threads a peer may lend a model: past it, a beat is not believed
+
+
 def _threads(value: Any) -> bool:
-    """Whether a heartbeat's count of spare threads is one: a finite number, not below 0."""
+    """Whether a heartbeat's count of spare threads is one: a number from 0 to MAX_SPARE."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and \
-        math.isfinite(value) and value >= 0
+        0 <= value <= MAX_SPARE

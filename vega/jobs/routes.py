@@ -100,7 +100,10 @@ class JobsApi:
                                        self.settings.jobs_max_ttl_s)
             reply, _ = await self._submit(request, name, body, with_ttl=False)
         except VegaError as error:
-            return refused if error.code in TURNED else _refusal(error)
+            # not_ready here is the job store away, for every process alike: the inline
+            # refusal stands, not a 503 that Nginx would count against this process.
+            return refused if error.code in TURNED or error.code == "not_ready" \
+                else _refusal(error)
         reply.headers["Preference-Applied"] = "respond-async"
         return reply
 

@@ -104,6 +104,7 @@ def _load(config: ChildConfig) -> dict[str, Any]:
     models = {}
     for spec, name in config.specs:
         adapter = load_model(spec, name)
+        identity(adapter)  # as built, as the serving process has it: on the CPU, unscripted
         adapter.load(config.device)
         models[adapter.name] = adapter
     for name, length, size in config.warm_shapes:

@@ -110,6 +110,7 @@ class SequenceModel:
         self._device = device
         self.module = self.module.to(torch.device(device)).eval()
         if self.script:
+            identity(self)  # of the module as built: scripted, its code hashes otherwise
             self.module = _scripted(self.module, self.name)
         if isinstance(self.module, torch.jit.ScriptModule):
             # TorchScript's profiling executor records the first call and compiles on the

@@ -52,9 +52,9 @@ def code_of(module: Any) -> list[bytes]:
             continue
         try:
             path = inspect.getsourcefile(type(part))
-        except TypeError:  # defined where no file tells (a class built at run time)
+        except (TypeError, OSError):  # defined where no file tells (built at run time, a REPL)
             continue
-        if path and path not in read and not path.startswith(torch_dir):
+        if path and path not in read and not path.startswith(torch_dir + os.sep):
             read.add(path)
             try:
                 with open(path, "rb") as source:
