@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -211,6 +212,12 @@ def test_rendered_nginx_conf_is_valid(tmp_path: Path) -> None:
     assert "least_conn;" in text and "zone vega" in text and "keepalive 128;" in text
     assert "proxy_next_upstream error http_503 non_idempotent;" in text
     assert "http_429" not in text and "http_504" not in text
+    # Job routes: their own upstream, no process taken out by a 503 there, and a submit
+    # (POST) not resent once a process has read it (two jobs would run).
+    jobs = text[text.index("location ~ ^/v1/(models/[^/]+/)?jobs"):]
+    assert "proxy_pass http://vega_jobs;" in jobs
+    assert "proxy_next_upstream error http_503;" in jobs.split("}")[0]
+    assert len(re.findall(r"^\s*server \S+ max_fails=0;", text, re.M)) == 2  # both processes
 
 
 async def test_nginx_spreads_requests_and_passes_429_through(

@@ -446,7 +446,8 @@ def env_file_text() -> str:
     lines = ["# Vega settings. Every line shows the default; uncomment to change.",
         "# Precedence: defaults < this file < VEGA_* environment < flags.",
         "# Under systemd this file overrides the unit's Environment= lines: leave what differs",
-        "# per instance (VEGA_UDS, VEGA_NODE_ID, VEGA_HOST, VEGA_PORT) to those.", ""]
+        "# per instance (VEGA_UDS, VEGA_NODE_ID, VEGA_HOST, VEGA_PORT, VEGA_DEVICE) to those.",
+        ""]
     for spec in SPECS:
         lines.append(f"# {spec.doc} Allowed: {spec.allowed}.")
         lines.append(f"#{spec.env}={spec.default}")

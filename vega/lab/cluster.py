@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
                                      max_deadline_ms=settings.max_deadline_ms))
         procs.append(_spawn(["nginx", "-p", str(workdir), "-c", str(conf), "-g",
                              "daemon off;"], workdir / "nginx.out"))
-        _wait_ready(sockets, procs)
+        # Two builds of the models (this one's, its model process's) and the warm-up.
+        _wait_ready(sockets, procs, 300 + settings.model_start_timeout_s)
         print(f"vega cluster: {args.processes} process(es) behind http://{args.listen} "
               f"(redis {'given' if settings.redis_url else 'local'}; logs in {workdir}); "
               "Ctrl-C stops", flush=True)
@@ -246,13 +247,14 @@ def _start_vega(index: int, path: Path, redis_url: str, workdir: Path,
     return _spawn(argv, workdir / f"vega-{index}.log", env)
 
 
-def _wait_ready(sockets: list[Path], procs: list[subprocess.Popen[bytes]]) -> None:
+def _wait_ready(sockets: list[Path], procs: list[subprocess.Popen[bytes]],
+                timeout_s: float) -> None:
     def ready() -> bool:
         for proc in procs:
             if proc.poll() is not None:
                 raise StartFailed(_exited(proc))
         return all(_ready(path) for path in sockets)
-    _wait_for(ready, "vega processes to warm up", timeout_s=300)
+    _wait_for(ready, "vega processes to warm up", timeout_s=timeout_s)
 
 
 def _ready(path: Path) -> bool:
