@@ -8,6 +8,7 @@ checked against real processes.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -176,6 +177,48 @@ def test_priority_model_and_token_travel_as_headers() -> None:
     with pytest.raises(ValueError):
         client.infer(window(2), priority="urgent")
     assert len(script.seen) == 1
+
+
+def test_a_422_after_a_refusal_is_the_deadline_running_out_not_a_wrong_request() -> None:
+    # The same body was refused for load, then, resent with less of its deadline left, was
+    # too short for the server even on an idle queue: the call ran out of time.
+    client, script = scripted(refusal(429, "queue_full", 30),
+                              refusal(422, "invalid_input"))
+    with pytest.raises(DeadlineExceededError) as late:
+        client.infer(window(4), deadline_s=2.0)
+    assert len(script.seen) == 2 and late.value.last is not None
+    assert late.value.last.code == "queue_full"
+    client, _ = scripted(refusal(422, "invalid_input"))  # at once: the request is wrong
+    with pytest.raises(InvalidRequestError):
+        client.infer(window(4), deadline_s=2.0)
+
+
+def test_an_answer_that_ends_after_the_deadline_is_not_a_success() -> None:
+    # Each read of a trickled answer came within its timeout; the whole came too late.
+    now = [0.0]
+
+    def late(request: httpx.Request) -> httpx.Response:
+        now[0] += 5.0
+        return ok()
+
+    client = Client("http://vega", transport=httpx.MockTransport(late))
+    client.policy = dataclasses.replace(client.policy, clock=lambda: now[0])
+    with pytest.raises(DeadlineExceededError):
+        client.infer(window(4), deadline_s=1.0)
+
+
+def test_a_job_call_rides_out_a_retry_after_and_a_failed_submit_names_its_key() -> None:
+    accepted = httpx.Response(202, json={"id": "j1", "status": "queued"},
+                              headers={"Location": "/v1/jobs/j1"})
+    # The job store away for a moment: 503 with Retry-After 1 s, then accepted. A job
+    # call's own bound (not the 1-s inference deadline) leaves room to wait it out.
+    client, script = scripted(refusal(503, "not_ready", header="1"), accepted)
+    assert client.submit_job(window(4)) == "j1" and len(script.seen) == 2
+    client, script = scripted(refusal(503, "not_ready", header="30"))
+    with pytest.raises(DeadlineExceededError) as failed:
+        client.submit_job(window(4))
+    key = script.header("idempotency-key")[0]
+    assert key and failed.value.idempotency_key == key  # a resubmit with it adds no job
 
 
 def test_decorrelated_jitter_stays_within_its_bounds() -> None:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 import ssl
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
 import httpx
 
 from vega.client import calls
-from vega.client.errors import InvalidRequestError
+from vega.client.errors import InvalidRequestError, VegaClientError
 from vega.client.retry import Attempts, Call, Observer, Policy
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -24,6 +26,19 @@ def tls_context() -> ssl.SSLContext:
     """httpx's default verifying context, built once: building one costs tens of ms, and
     httpx builds one per client, so a process with many clients would pay that many."""
     return httpx.create_ssl_context()
+
+
+JOB_CALL_S = 10.0  # a job call's default bound, past a Retry-After or two
+
+
+@contextlib.contextmanager
+def keyed(call: Call) -> Iterator[None]:
+    """Errors of ``call`` carry the Idempotency-Key it sent (generated for a submit)."""
+    try:
+        yield
+    except VegaClientError as error:
+        error.idempotency_key = call.headers.get("Idempotency-Key")
+        raise
 
 
 class _Base:
@@ -38,7 +53,10 @@ class _Base:
         self.headers = calls.base_headers(token)
 
     def _attempts(self, call: Call, deadline_s: float | None) -> Attempts:
-        return Attempts(call, self.policy, self.deadline_s if deadline_s is None else deadline_s)
+        if deadline_s is None:  # a job call waits out a Retry-After (1 s or more) at least once
+            deadline_s = self.deadline_s if call.send_deadline else max(self.deadline_s,
+                                                                          JOB_CALL_S)
+        return Attempts(call, self.policy, deadline_s)
 
     def _poll(self, timeout_s: float) -> calls.JobPoll:
         return calls.JobPoll(timeout_s, self.policy.clock, self.policy.rng,
@@ -107,19 +125,20 @@ class Client(_Base):
 
     def _send(self, call: Call, deadline_s: float | None) -> httpx.Response:
         attempts = self._attempts(call, deadline_s)
-        while True:
-            headers, timeout_s = attempts.start()
-            try:
-                response = self._http.request(call.method, call.path, content=call.body,
-                                              headers=headers, timeout=timeout_s)
-            except httpx.TransportError as exc:
-                wait = attempts.failed(exc)
-            else:
-                answered = attempts.answered(response)
-                if answered is None:
-                    return response
-                wait = answered
-            time.sleep(wait)
+        with keyed(call):
+            while True:
+                headers, timeout_s = attempts.start()
+                try:
+                    response = self._http.request(call.method, call.path, content=call.body,
+                                                  headers=headers, timeout=timeout_s)
+                except httpx.TransportError as exc:
+                    wait = attempts.failed(exc)
+                else:
+                    answered = attempts.answered(response)
+                    if answered is None:
+                        return response
+                    wait = answered
+                time.sleep(wait)
 
     def close(self) -> None:
         self._http.close()
@@ -191,21 +210,22 @@ class AsyncClient(_Base):
 
     async def _send(self, call: Call, deadline_s: float | None) -> httpx.Response:
         attempts = self._attempts(call, deadline_s)
-        while True:
-            headers, timeout_s = attempts.start()
-            try:
-                async with asyncio.timeout(timeout_s):
-                    response = await self._http.request(call.method, call.path,
-                                                        content=call.body, headers=headers,
-                                                        timeout=timeout_s)
-            except (httpx.TransportError, TimeoutError) as exc:
-                wait = attempts.failed(exc)
-            else:
-                answered = attempts.answered(response)
-                if answered is None:
-                    return response
-                wait = answered
-            await asyncio.sleep(wait)
+        with keyed(call):
+            while True:
+                headers, timeout_s = attempts.start()
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        response = await self._http.request(call.method, call.path,
+                                                            content=call.body, headers=headers,
+                                                            timeout=timeout_s)
+                except (httpx.TransportError, TimeoutError) as exc:
+                    wait = attempts.failed(exc)
+                else:
+                    answered = attempts.answered(response)
+                    if answered is None:
+                        return response
+                    wait = answered
+                await asyncio.sleep(wait)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -24,6 +24,9 @@ class VegaClientError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
         self.attempts = attempts  # attempts the call had made when this was raised
+        # The Idempotency-Key the call sent, if any: a submit that failed may still have
+        # been stored, and only a retry with this key cannot add a second job.
+        self.idempotency_key: str | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(status={self.status}, code={self.code!r}, " \

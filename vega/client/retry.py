@@ -107,11 +107,17 @@ class Attempts:
         status = response.status_code
         if 200 <= status < 300:
             self.observe(status, "")
+            if self.remaining_s() < 0:  # an answer trickled past it (each read was in time)
+                raise self.expired("the answer ended after the deadline")
             return None
         error = error_from(status, response.headers, response.content)
         self.observe(status, error.code)
         if isinstance(error, (RefusedError, UnavailableError)):
             return self.backoff(error)
+        if status == 422 and self.last is not None:
+            # The same body took a refusal before: only the deadline left changed, and it
+            # is now shorter than the request takes on an idle server.
+            raise self.expired(f"too little of the deadline left ({error.message})")
         error.attempts = self.count
         raise error
 
