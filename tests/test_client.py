@@ -221,6 +221,17 @@ def test_a_job_call_rides_out_a_retry_after_and_a_failed_submit_names_its_key() 
     assert key and failed.value.idempotency_key == key  # a resubmit with it adds no job
 
 
+def test_nan_in_the_inputs_is_refused_before_sending_not_sent_as_null() -> None:
+    import numpy as np
+
+    client, script = scripted(ok())
+    for bad in ([[float("nan")] * 8] * 4, np.full((4, 8), np.inf, dtype=np.float32)):
+        with pytest.raises(ValueError, match="NaN or infinity"):
+            client.infer(bad)
+    assert script.seen == []
+    assert client.infer([[0.5] * 8] * 4) == [1.0, 2.0, 3.0]  # finite: sent
+
+
 def test_decorrelated_jitter_stays_within_its_bounds() -> None:
     now = [0.0]
     policy = Policy(max_attempts=10_000, min_attempt_s=0.01, rng=random.Random(7),

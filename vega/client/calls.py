@@ -8,6 +8,7 @@ reused with another one), and the header lets each attempt carry what is left.
 
 from __future__ import annotations
 
+import math
 import random
 import uuid
 from collections.abc import Callable
@@ -45,7 +46,23 @@ def _body(inputs: Any, instances: Any, extra: dict[str, Any]) -> bytes:
     if (inputs is None) == (instances is None):
         raise ValueError("give exactly one of inputs or instances")
     doc = {"inputs": inputs} if inputs is not None else {"instances": instances}
-    return orjson.dumps(doc | extra, option=orjson.OPT_SERIALIZE_NUMPY)
+    body = orjson.dumps(doc | extra, option=orjson.OPT_SERIALIZE_NUMPY)
+    # orjson writes NaN and infinity as null, which the server would refuse as a value
+    # that is not a number: say what it is, here. Walked only when the body holds null.
+    if b"null" in body and not _finite(doc):
+        raise ValueError("the inputs hold NaN or infinity, which JSON cannot carry")
+    return body
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    tolist = getattr(value, "tolist", None)  # a numpy array or scalar, numpy not imported
+    return _finite(tolist()) if callable(tolist) else True
 
 
 def _priority_header(priority: str | None) -> dict[str, str]:
