@@ -127,6 +127,13 @@ class VegaProcess:
             self.proc.wait()
 
 
+def resources(pid: int) -> tuple[int, int]:
+    """(RSS in KiB, open descriptors) of a process."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def metric(proc: VegaProcess, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
     total = 0.0

@@ -197,14 +197,18 @@ async def echo_executor() -> tuple[Executor, SequenceModel]:
     return executor, model
 
 
+async def executor_running(way: str) -> tuple[Executor, SequenceModel]:
+    """The echo model's executor, in a thread or a model process."""
+    if way == "process":
+        return await echo_executor()
+    model = echo("echo")
+    model.load(DEVICE)
+    return Executor({"echo": model}), model
+
+
 @pytest.mark.parametrize("way", ["thread", "process"])
 async def test_the_runner_tells_of_a_batch_end_first_and_when_it_ended(way: str) -> None:
-    if way == "process":
-        executor, model = await echo_executor()
-    else:
-        model = echo("echo")
-        model.load(DEVICE)
-        executor = Executor({"echo": model})
+    executor, model = await executor_running(way)
     try:
         batch = echo_batch(model, 0.5, size=2)
         told: list[tuple[float, list[bool], float | None]] = []
@@ -445,12 +449,7 @@ async def test_a_stop_answers_the_batches_that_never_began(
     """After a drain runs out, the batch queued behind the running ones (one thread; two
     lanes of a model process) is answered 503 draining: the pool dropped it unanswered."""
     monkeypatch.setenv("TEST_SLEEP_MS", "300")
-    if way == "process":
-        executor, model = await echo_executor()
-    else:
-        model = echo("echo")
-        model.load(DEVICE)
-        executor = Executor({"echo": model})
+    executor, model = await executor_running(way)
     batches = [echo_batch(model, 0.5) for _ in range(3 if way == "process" else 2)]
     running = [executor.run(batch) for batch in batches]
     await asyncio.sleep(0.1)

@@ -1,4 +1,5 @@
-"""A model process's start as an operator sees it: what the log says when it cannot."""
+"""A model process's start as an operator sees it: what the log says when it cannot, what
+the serving process holds once it can, and its coming back after a crash."""
 
 from __future__ import annotations
 
@@ -8,48 +9,45 @@ from pathlib import Path
 
 import httpx
 
-from tests.servers import VegaProcess, wait_until
+from tests.servers import VegaProcess, resources, wait_until
 
 ECHO = "python:tests.models:echo"
+
+
+def failed_start(tmp_path: Path, **env: str) -> tuple[int, str]:
+    """The exit status and log of a process of ``env`` whose start fails."""
+    proc = VegaProcess({"VEGA_MODEL": ECHO, "VEGA_EXECUTOR": "process", **env},
+                       log_path=tmp_path / "log")
+    proc.start(wait_ready=False)
+    try:
+        wait_until(lambda: proc.proc is not None and proc.proc.poll() is not None, 60,
+                   "the start to fail")
+        assert proc.proc is not None
+        code = proc.proc.poll()
+        assert code is not None
+        return code, proc.log()
+    finally:
+        proc.kill()
 
 
 def test_a_warm_up_pass_past_the_model_timeout_names_the_shape(tmp_path: Path) -> None:
     # Every forward takes 1.5 s: loading (bounded by the start timeout) gets through, the
     # first warm-up pass is past VEGA_MODEL_TIMEOUT_S, and the start fails saying where.
-    proc = VegaProcess({"VEGA_MODEL": ECHO, "VEGA_EXECUTOR": "process",
-                        "VEGA_MODEL_TIMEOUT_S": "0.5", "TEST_SLEEP_MS": "1500"},
-                       log_path=tmp_path / "log")
-    proc.start(wait_ready=False)
-    try:
-        assert proc.proc is not None
-        wait_until(lambda: proc.proc is not None and proc.proc.poll() is not None, 60,
-                   "the start to fail")
-        assert proc.proc.returncode != 0
-        assert "start failed" in proc.log() and "warm-up (1 x 16 steps)" in proc.log()
-    finally:
-        proc.kill()
-
-
+    code, log = failed_start(tmp_path, VEGA_MODEL_TIMEOUT_S="0.5", TEST_SLEEP_MS="1500")
+    assert code != 0
+    assert "start failed" in log and "warm-up (1 x 16 steps)" in log
 
 
 def test_a_model_process_that_loads_past_the_start_timeout_fails_the_start(
         tmp_path: Path) -> None:
-    proc = VegaProcess({"VEGA_MODEL": ECHO, "VEGA_EXECUTOR": "process",
-                        "VEGA_MODEL_START_TIMEOUT_S": "1", "TEST_LOAD_SLEEP_MS": "4000"},
-                       log_path=tmp_path / "log")
-    proc.start(wait_ready=False)
-    try:
-        wait_until(lambda: proc.proc is not None and proc.proc.poll() is not None, 60,
-                   "the start to fail")
-        assert "did not load within 1 s" in proc.log()
-    finally:
-        proc.kill()
+    code, log = failed_start(tmp_path, VEGA_MODEL_START_TIMEOUT_S="1",
+                             TEST_LOAD_SLEEP_MS="4000")
+    assert code != 0 and "did not load within 1 s" in log
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
+def model_pid(proc: VegaProcess) -> int | None:
+    [pid] = httpx.get(proc.url + "/v1/status").json()["executor"]["pids"]
+    return int(pid) if pid is not None else None
 
 
 def test_the_serving_process_keeps_no_copy_of_weights_its_model_process_runs(
@@ -58,9 +56,11 @@ def test_the_serving_process_keeps_no_copy_of_weights_its_model_process_runs(
                        log_path=tmp_path / "log").start()
     try:
         assert proc.proc is not None
-        [child] = httpx.get(proc.url + "/v1/status").json()["executor"]["pids"]
+        child = model_pid(proc)
+        assert child is not None
         # 256 MB of weights: in the model process, not also in the serving process.
-        assert rss_mb(child) - rss_mb(proc.proc.pid) > 192, (rss_mb(child), rss_mb(proc.proc.pid))
+        held_kib = resources(child)[0], resources(proc.proc.pid)[0]
+        assert held_kib[0] - held_kib[1] > 192 * 1024, held_kib
         assert httpx.post(proc.url + "/v1/infer",
                           json={"inputs": [[1.0] * 8] * 4}).json()["outputs"] == [1.0] * 8
     finally:
@@ -75,11 +75,12 @@ def test_a_module_drawn_without_a_seed_starts_and_comes_back_after_a_crash(
         body = {"inputs": [[1.0] * 8] * 4}
         first = httpx.post(proc.url + "/v1/infer", json=body)
         assert first.status_code == 200 and "drawn without a seed?" in proc.log()
-        [child] = httpx.get(proc.url + "/v1/status").json()["executor"]["pids"]
+        child = model_pid(proc)
+        assert child is not None
         os.kill(child, signal.SIGKILL)
-        wait_until(lambda: httpx.get(proc.url + "/v1/status").json()["executor"]["pids"]
-                   not in ([child], [None], []) and httpx.get(proc.url + "/readyz").status_code
-                   == 200, 60, "the model process back")
+        wait_until(lambda: model_pid(proc) not in (child, None)
+                   and httpx.get(proc.url + "/readyz").status_code == 200, 60,
+                   "the model process back")
         assert httpx.post(proc.url + "/v1/infer", json=body).status_code == 200
     finally:
         proc.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 from collections.abc import Callable
@@ -15,7 +14,7 @@ import pytest
 
 from tests.books import NOT_ACCEPTED, Books, Planned, offer, steady
 from tests.models import FAIL_MARK, ledger, tagged, window
-from tests.servers import VegaProcess, metric, wait_until
+from tests.servers import VegaProcess, metric, resources, wait_until
 
 pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
 
@@ -25,13 +24,6 @@ ALL_CLASSES = ("sheddable", "normal", "sheddable", "critical", "sheddable", "nor
 def body(item_id: int, priority: str, deadline_ms: int = 2000) -> bytes:
     return orjson.dumps({"inputs": tagged(item_id), "priority": priority,
                          "deadline_ms": deadline_ms})
-
-
-def resources(pid: int) -> tuple[int, int]:
-    """(RSS in KiB, open descriptors) of a process."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
 @pytest.fixture
