@@ -17,13 +17,8 @@ from typing import Protocol
 
 from vega.batcher import Batcher
 from vega.config import Settings
-from vega.errors import VegaError
+from vega.errors import MIN_RETRY_MS, VegaError
 from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES, SHEDDABLE
-
-MIN_RETRY_MS = 50.0
-# A Reach has room while fewer batches wait handed off than this many per lent thread
-# (the overflow channel and the simulator's model of it both read it from here).
-PENDING_PER_SPARE = 2
 
 
 @dataclass(frozen=True)

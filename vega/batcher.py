@@ -22,7 +22,7 @@ from typing import Any
 
 from vega.buckets import shares
 from vega.config import Settings, length_bounds
-from vega.errors import VegaError, missed_deadline
+from vega.errors import MIN_RETRY_MS, VegaError, missed_deadline
 from vega.inflight import Inflight
 from vega.queues import Queues, first_live
 from vega.records import CRITICAL, JOB, PRIORITY_NAMES, Batch, Item, fail_items
@@ -396,7 +396,7 @@ class Batcher(Queues):
     def _shed(self, now: float) -> VegaError:
         self._shed_at = now
         return VegaError("shed", "queued too long under sustained overload",
-                         retry_after_ms=1000 * max(self.backlog_s(), 0.05))
+                         retry_after_ms=max(MIN_RETRY_MS, 1000 * self.backlog_s()))
 
     def _refuse_at_dispatch(self, item: Item, finish: float, now: float,
                             behind: bool) -> VegaError | None:

@@ -31,6 +31,11 @@ REFUSALS = frozenset({"rate_limited", "queue_full", "shed", "deadline_unmeetable
                       "not_ready", "draining"})
 
 
+# The shortest wait a refusal advertises in its body: a refused caller that retries sooner
+# meets the same backlog. (Retry-After itself is whole seconds, at least 1.)
+MIN_RETRY_MS = 50.0
+
+
 class VegaError(Exception):
     """An answer other than 200: its code decides the status (DESIGN.md table)."""
 
@@ -71,7 +76,7 @@ def missed_deadline(deadline: float, now: float, retry_after_s: float,
     if deadline <= now:
         return VegaError("deadline_exceeded", expired)
     return VegaError("deadline_unmeetable", "the batch it would run in ends after its deadline",
-                     retry_after_ms=1000 * max(retry_after_s, 0.05))
+                     retry_after_ms=max(MIN_RETRY_MS, 1000 * retry_after_s))
 
 
 def invalid_input(message: str) -> VegaError:

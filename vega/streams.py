@@ -23,7 +23,6 @@ from typing import Any
 
 from redis import exceptions as rexc
 
-from vega.admission import PENDING_PER_SPARE
 from vega.channel.client import CONNECTION_ERRORS, StallCheck, leave_group, probe, said
 from vega.channel.handoff import DELETE_UNLESS_DELIVERED, Handoff
 from vega.channel.keys import (
@@ -35,7 +34,7 @@ from vega.channel.keys import (
     reply_key,
 )
 from vega.channel.link import Link, Models, RunLocal, log_end, stop_tasks
-from vega.channel.peers import Peers
+from vega.channel.peers import PENDING_PER_SPARE, Peers
 from vega.channel.steal import Thief
 from vega.channel.wire import (
     Overflow,

@@ -23,6 +23,10 @@ from vega.records import PRIORITY_NAMES
 
 log = logging.getLogger("vega.streams")
 
+# Handing a batch off has room while fewer wait on peers than this many per thread they lend
+# (the overflow channel and the simulator's model of it both read it from here).
+PENDING_PER_SPARE = 2
+
 
 class Peers:
     """The live peers as their last heartbeats describe them; our own beats."""

@@ -22,8 +22,9 @@ import random
 from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field
 
-from vega.admission import PENDING_PER_SPARE, Admission, AdmissionConfig
+from vega.admission import Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
+from vega.channel.peers import PENDING_PER_SPARE
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.lab.profile import LatencyModel
