@@ -32,17 +32,9 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 ROWS = ["Traffic and outcomes", "Refusals", "Queue", "Latency", "Batches",
         "Service rate and utilisation", "Overflow", "Redis and peers", "Processes", "Jobs"]
 
-# Named for the async jobs lane, which exports them in another change.
-JOB_METRICS = {"vega_jobs_depth", "vega_jobs_total", "vega_jobs_dead_letters"}
-
-# Series a single `vega serve` without Redis or the jobs lane does not export; an
-# expression naming one may come back empty, every other one must return data.
+# Series a single `vega serve` without Redis exports all the same (the overflow and job
+# counters at 0 from the start): only this expression may come back empty.
 MAY_BE_EMPTY = {
-    "vega_jobs_": "job metrics come with the async jobs lane, not exported by this server",
-    "vega:jobs:": "recorded from vega_jobs_total, absent here",
-    "vega_overflow_": "overflow counters start with the first batch handed to or taken "
-                      "from a peer, and this server has no Redis",
-    "vega:overflow_": "recorded from the overflow counters, absent here",
     'priority="critical"': "the test sends no critical request, so none is refused",
 }
 
@@ -199,10 +191,11 @@ def exported_names() -> set[str]:
 
 
 def test_dashboard_and_rules_name_only_metrics_that_exist() -> None:
-    """Jobs and overflow series may be absent from a live server: their names are checked here."""
+    """Every name the rules and panels read is one vega/metrics.py defines, and every
+    overflow event they name is one the code counts."""
     text = RULES.read_text() + "\n".join(expr for _, _, expr in dashboard_expressions())
     named = set(re.findall(r"\bvega_\w+", text))
-    assert named and not named - exported_names() - JOB_METRICS, named - exported_names()
+    assert named and not named - exported_names(), named - exported_names()
     sources = "".join(path.read_text() for path in (ROOT / "vega").rglob("*.py"))
     events = set(re.findall(r'event="(\w+)"', text))
     assert events and not [e for e in events if f'labels("{e}")' not in sources], events
@@ -320,9 +313,9 @@ def test_every_dashboard_expression_evaluates_with_data(prometheus: Prometheus) 
     failures = [why for _, where, expr in expressions
                 if (why := evaluate(prometheus, where, substitute(expr)))]
     assert not failures, "\n".join(failures)
-    # Only the jobs and overflow rows, and the critical refusals, may be empty.
+    # Only the critical refusals may be empty.
     allowed = {row for row, _, expr in expressions if any(n in expr for n in MAY_BE_EMPTY)}
-    assert allowed == {"Overflow", "Jobs", "Refusals"}, allowed
+    assert allowed == {"Refusals"}, allowed
 
 
 def loaded_rules(prom: Prometheus) -> list[dict[str, Any]]:

@@ -19,6 +19,8 @@ from vega.tallies import Count, LoopCounter, LoopHistogram, Spread
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.8,
                    1.0, 2.5, 5.0, 10.0, 30.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+OVERFLOW_EVENTS = ("taken_back", "reclaimed", "dead_lettered", "declined", "late_reply",
+                   "malformed", "expired", "stalled")
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 
@@ -90,6 +92,11 @@ class Metrics:
             "plain steal: taken_back, reclaimed, dead_lettered, declined, "
             "late_reply, malformed, expired; stalled: a Redis command timed out in a "
             "stall of this process, Redis answering", ["event"], registry=r)
+        # At 0 from the start (Redis or not): rate() and increase() miss a series' first step.
+        for direction in ("out", "in"):
+            self.overflow.labels(direction)
+        for event in OVERFLOW_EVENTS:
+            self.overflow_events.labels(event)
         self.steal_rtt = Gauge("vega_steal_rtt_seconds",
                                "Measured round trip of a stolen batch, less its model time",
                                registry=r)

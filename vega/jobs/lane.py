@@ -57,6 +57,8 @@ class JobLane:
             runner = self.runners[name] = JobRunner(self, adapter, batcher, runnable)
             self.stats[name] = Stats()
             self.counts[name] = dict.fromkeys(OUTCOMES, 0)
+            for outcome in OUTCOMES:  # at 0 from the start, so rate() sees the first job end
+                self.metrics.jobs_total.labels(name, outcome)
             self._spawn(runner.run(), f"jobs-{name}")
             if self.durable:
                 self._spawn(runner.keep_claims(), f"job-claims-{name}")
