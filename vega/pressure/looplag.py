@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from vega.errors import VegaError
+from vega.errors import MIN_RETRY_MS, VegaError
 from vega.records import CRITICAL, SHEDDABLE
 
 # A probe falls due this long after it is armed: short next to the limit it is compared
@@ -29,7 +29,6 @@ PROBE_S = 0.005
 # The refused share's change per second the loop runs late (or in time): 0 to all in about
 # the Retry-After a refused caller waits, so the flood thins before the callers come back.
 RATE_PER_S = 1.0
-MIN_RETRY_MS = 50.0  # as admission's: Retry-After itself is whole seconds, at least 1
 
 
 class LoopLate(VegaError):
@@ -103,8 +102,10 @@ class LoopLag:
         self.refused += 1
         code = "shed" if priority == SHEDDABLE else "queue_full"
         lag_ms = 1000 * self.lag_s
-        raise LoopLate(code, f"the server's event loop runs {lag_ms:.0f} ms late",
-                       retry_after_ms=max(MIN_RETRY_MS, lag_ms))
+        # The share falls back over a second, so the lag may already be small: say both.
+        raise LoopLate(code, f"the server's event loop has been running late (now {lag_ms:.0f} "
+                       f"ms): {self.share:.0%} of non-critical requests are refused until it "
+                       "keeps time", retry_after_ms=max(MIN_RETRY_MS, lag_ms))
 
     def status(self) -> dict[str, Any]:
         return {"lag_ms": round(1000 * self.lag_s, 1), "refused_share": round(self.share, 2),
