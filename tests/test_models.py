@@ -13,6 +13,7 @@ import torch
 from tests.models import per_patch, per_step, three_channels
 from vega.errors import VegaError
 from vega.models import SequenceModel, identity, load_model
+from vega.models.fitted import fitted
 from vega.models.loader import ModelLoadError
 
 
@@ -129,6 +130,53 @@ def test_an_output_as_long_as_a_probed_window_is_still_one_per_window(size: int)
     np.testing.assert_allclose(rows[0], 24.0)
 
 
+def test_a_model_of_one_length_only_states_its_output_shape() -> None:
+    class OneStep(torch.nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x[:, 0, :2]
+
+    model = SequenceModel(OneStep(), "one_step", channels=8, max_length=1)
+    model.load("cpu")
+    assert not model.per_step and model.outputs[0].shape == (2,)  # was -1: never probed
+
+
+def test_a_module_failing_on_a_one_step_window_is_warned_about_at_load(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class Conv(torch.nn.Module):  # a kernel of 5 steps, no padding: 1-4 steps fail
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv1d(8, 4, 5)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.conv(x.transpose(1, 2))
+            return out.amax(-1)
+
+    with caplog.at_level("WARNING", logger="vega.models"):
+        SequenceModel(Conv(), "conv", channels=8, max_length=64).load("cpu")
+    shortest = [r.getMessage() for r in caplog.records if "1-step window" in r.getMessage()]
+    assert len(shortest) == 1 and "model 'conv'" in shortest[0]
+    assert "RuntimeError" in shortest[0] and "1..64 steps are accepted" in shortest[0]
+
+
+def test_a_half_precision_module_is_not_warned_about_for_its_rounding(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class Last(torch.nn.Module):  # each window's last real step through an LSTM: masked
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lstm = torch.nn.LSTM(8, 16, batch_first=True)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.lstm(x)[0]
+            return out[torch.arange(x.shape[0]), lengths - 1]
+
+    for dtype in (torch.float16, torch.bfloat16):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vega.models"):
+            SequenceModel(fitted(Last().to(dtype)), "half", channels=8, max_length=64).load("cpu")
+        assert not caplog.records, caplog.text
+
+
 def test_an_output_that_follows_the_length_otherwise_is_refused_at_load() -> None:
     model = per_patch("patches")
     shapes = r"\[2, 3\] at 16 steps, \[4, 3\] at 32"
@@ -179,6 +227,23 @@ def test_a_module_taking_only_x_is_served_and_its_padding_warned_about(
     assert "no_lengths" in caplog.text and "forward takes no `lengths`" in caplog.text
     windows = [np.full((5, 8), 1.0, np.float32), np.full((5, 8), 3.0, np.float32)]
     np.testing.assert_allclose(np.stack(model.run(windows, 5)), np.full((2, 8), [[2.0], [6.0]]))
+
+
+def test_a_module_taking_lengths_by_keyword_only_is_given_them(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class KeywordMean(torch.nn.Module):
+        def forward(self, x: torch.Tensor, *, lengths: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+            if lengths is None:
+                return x.mean(dim=1)  # reads the padding
+            return x.sum(dim=1) / lengths[:, None].to(x.dtype)
+
+    with caplog.at_level("WARNING", logger="vega.models"):
+        model = SequenceModel(fitted(KeywordMean()), "keyword", channels=8, max_length=64)
+        model.load("cpu")
+    assert not caplog.records, caplog.text
+    windows = [np.full((2, 8), 1.0, np.float32), np.full((6, 8), 3.0, np.float32)]
+    np.testing.assert_allclose(np.stack(model.run(windows, 6)), np.full((2, 8), [[1.0], [3.0]]))
 
 
 def test_a_module_with_float64_weights_gets_its_windows_cast_to_them() -> None:
@@ -346,11 +411,24 @@ def test_python_names_a_module_a_factory_or_a_class_as_a_user_writes_them(
         "    raise FileNotFoundError('weights.pt')\n"
         "def two(name, device):\n"
         "    return Sum()\n"
+        "def variant(size=8):\n"  # a default is the user's: not given the model's name
+        "    assert size == 8, size\n"
+        "    return Sum()\n"
+        "def named_default(name='x', size=8):\n"
+        "    assert name == 'named_default' and size == 8, (name, size)\n"
+        "    return Sum()\n"
+        "class Configured(torch.nn.Module):\n"
+        "    def __init__(self, hidden=4):\n"
+        "        super().__init__()\n"
+        "        assert hidden == 4, hidden\n"
+        "    def forward(self, x, lengths):\n"
+        "        return x.sum(dim=1)\n"
         "number = 3\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "vega_user_kinds", raising=False)
     window = np.ones((2, 8), np.float32)
-    for attr in ("model", "build", "build_named", "Sum"):  # an instance, factories, a class
+    for attr in ("model", "build", "build_named", "Sum", "variant", "named_default",
+                 "Configured"):  # an instance, factories, classes
         model = load_model(f"python:vega_user_kinds:{attr}")
         model.load("cpu")
         assert model.name == attr

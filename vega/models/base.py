@@ -145,8 +145,11 @@ class SequenceModel:
         the module answers one row per step (and the output's shape, for the metadata),
         and whether batching moves a window's answer."""
         lengths = self.probe_lengths()
-        if lengths is None:
-            return  # windows of one length only: nothing is padded, nothing to tell
+        if lengths is None:  # windows of one length only: nothing is padded, nothing to tell
+            shape = tuple(int(n) for n in self.try_window(self.example(self.max_length)).shape)
+            self.outputs = tuple(dataclasses.replace(spec, shape=shape[1:])
+                                 for spec in self.outputs)
+            return
         short, long_ = lengths
         window = self.example(short)
         alone = self.try_window(window)[0]
@@ -154,6 +157,19 @@ class SequenceModel:
         self.per_step = self._layout(lengths, alone.shape, batched.shape)
         self._check_batching(window, alone, batched[:short] if self.per_step else batched,
                              lengths)
+        self._check_shortest()
+
+    def _check_shortest(self) -> None:
+        """Warn when a one-step window, which is accepted, fails alone: its callers get 500s,
+        and batched with longer windows it is run on their padding instead."""
+        try:
+            self._forward([self.example(1)], 1)
+        except Exception as error:
+            log.warning("model %r: a 1-step window fails alone (%s: %s), though windows of "
+                        "1..%d steps are accepted: such requests get 500 model_error, or an "
+                        "answer read off the padding when batched with longer windows. "
+                        "Refuse short windows before they reach the model, or take them",
+                        self.name, type(error).__name__, error, self.max_length)
 
     def decode(self, instance: Any) -> tuple[Any, int]:
         if isinstance(instance, np.ndarray):
@@ -307,11 +323,12 @@ class SequenceModel:
         windows of a batch. Either way, what a caller gets depends on its batch mates."""
         short, long_ = lengths
         scale = float(np.max(np.abs(alone), initial=0.0))
+        allowed = self._rounding() * max(1.0, scale)
         moved = _moved(alone, batched)
-        if moved <= 1e-5 * max(1.0, scale):
+        if moved <= allowed:
             return
         padded = self._forward([window], long_)[0]  # alone, but padded: which moved it?
-        if _moved(alone, padded[:short] if self.per_step else padded) <= 1e-5 * max(1.0, scale):
+        if _moved(alone, padded[:short] if self.per_step else padded) <= allowed:
             why = "it mixes the windows of a batch (statistics over the batch?)"
         elif getattr(self.module, "takes_lengths", True):
             why = "it reads the padding past `lengths` (mask those steps)"
@@ -321,6 +338,19 @@ class SequenceModel:
         log.warning("model %r: a %d-step window's answer moved by up to %.2g (its largest "
                     "value: %.2g) when batched with a %d-step window, so what a caller gets "
                     "depends on its batch mates: %s", self.name, short, moved, scale, long_, why)
+
+
+    def _rounding(self) -> float:
+        """How far a window's answer may move with its batch's shape from rounding alone: a
+        module computing in float16 or bfloat16 (3 and 2 significant digits) rounds its
+        sums differently at another batch shape, in float32 by ~1e-7."""
+        import torch
+
+        from vega.models.fitted import weights_dtype
+
+        module = self.module
+        dtype = weights_dtype(module) if isinstance(module, torch.nn.Module) else None
+        return 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-5
 
 
 class NotATensor(TypeError):
