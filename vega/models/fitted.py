@@ -1,9 +1,10 @@
 """A user's torch module fitted to the call Vega makes: ``module(x, lengths)``, x float32.
 
-Most modules written for a fixed window take only ``x``, and a module may hold its weights
-in float16, bfloat16 or float64. Such a module is wrapped rather than refused: its
-``lengths`` are dropped, its input cast to its weights' type. Anything else about the call
-(a different argument, another number of channels) is the module's to declare.
+Most modules written for a fixed window take only ``x``, some take ``lengths`` by keyword
+only, and a module may hold its weights in float16, bfloat16 or float64. Such a module is
+wrapped rather than refused: its ``lengths`` are dropped or passed by name, its input cast
+to its weights' type. Anything else about the call (a different argument, another number
+of channels) is the module's to declare.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ class Fitted(torch.nn.Module):
     (without them, a window padded to a longer batch mate's length is read with its zeros)."""
 
     def __init__(self, inner: torch.nn.Module, takes_lengths: bool,
-                 dtype: torch.dtype | None) -> None:
+                 dtype: torch.dtype | None, by_name: bool = False) -> None:
         super().__init__()
         self.inner = inner
         self.takes_lengths = takes_lengths
         self.dtype = dtype
+        self.by_name = by_name  # ``forward(x, *, lengths)``
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> Any:
         if self.dtype is not None:
             x = x.to(self.dtype)
+        if self.by_name:
+            return self.inner(x, lengths=lengths)
         return self.inner(x, lengths) if self.takes_lengths else self.inner(x)
 
 
@@ -35,11 +39,21 @@ def fitted(module: Any) -> Any:
     """``module`` itself where it takes ``(x float32, lengths)``; else a ``Fitted`` around it."""
     if not isinstance(module, torch.nn.Module):
         return module
-    takes_lengths = positional_arguments(module) != 1
+    by_name = positional_arguments(module) == 1 and lengths_by_name(module)
+    takes_lengths = positional_arguments(module) != 1 or by_name
     dtype = weights_dtype(module)
-    if takes_lengths and dtype in (None, torch.float32):
+    if takes_lengths and not by_name and dtype in (None, torch.float32):
         return module
-    return Fitted(module, takes_lengths, None if dtype == torch.float32 else dtype)
+    return Fitted(module, takes_lengths, None if dtype == torch.float32 else dtype, by_name)
+
+
+def lengths_by_name(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward takes a keyword-only ``lengths``."""
+    try:
+        found = inspect.signature(module.forward).parameters.get("lengths")
+    except (TypeError, ValueError):
+        return False
+    return found is not None and found.kind == inspect.Parameter.KEYWORD_ONLY
 
 
 def positional_arguments(module: torch.nn.Module) -> int | None:

@@ -100,8 +100,9 @@ def _python(target: str, name: str) -> ModelAdapter:
 
 def _built(found: Any, target: str, name: str) -> Any:
     """What ``python:module:attr`` names, built: a module or an adapter as it is; a
-    function called with the model's name if it takes one, else with nothing; a class
-    with nothing if it takes that, else with the name."""
+    function or class called with the model's name where a parameter is called ``name``,
+    else with nothing where that binds, else with the name as the one argument it needs
+    (a parameter with a default is the user's to set, not Vega's)."""
     import torch
 
     if isinstance(found, torch.nn.Module) or (
@@ -110,26 +111,35 @@ def _built(found: Any, target: str, name: str) -> Any:
     if not callable(found):
         raise ModelLoadError(f"python:{target}: found {type(found).__name__!r}, not a torch "
                              "module, an adapter, or a callable that builds one")
-    # A class is built as written first (nn.Module's takes any arguments, then refuses).
-    tries = ((), (name,)) if isinstance(found, type) else ((name,), ())
     try:
         signature = inspect.signature(found)
     except (TypeError, ValueError):  # not known (a builtin): as documented, given the name
-        args: tuple[str, ...] | None = (name,)
+        call: tuple[tuple[str, ...], dict[str, str]] | None = ((name,), {})
     else:
-        args = next((a for a in tries if _binds(signature, a)), None)
-    if args is None:
+        call = _arguments(signature, name)
+    if call is None:
         raise ModelLoadError(f"python:{target}: {signature} takes neither the model's "
                              "name nor nothing")
     try:
-        return found(*args)
+        return found(*call[0], **call[1])
     except Exception as exc:
         raise _user_code_failed(target, "building the model", exc) from None
 
 
-def _binds(signature: inspect.Signature, args: tuple[str, ...]) -> bool:
+def _arguments(signature: inspect.Signature, name: str
+               ) -> tuple[tuple[str, ...], dict[str, str]] | None:
+    named = signature.parameters.get("name")
+    tries: list[tuple[tuple[str, ...], dict[str, str]]] = [((), {}), ((name,), {})]
+    if named is not None and named.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                            inspect.Parameter.KEYWORD_ONLY):
+        tries.insert(0, ((), {"name": name}))
+    return next((t for t in tries if _binds(signature, *t)), None)
+
+
+def _binds(signature: inspect.Signature, args: tuple[str, ...], kwargs: dict[str, str]
+           ) -> bool:
     try:
-        signature.bind(*args)
+        signature.bind(*args, **kwargs)
     except TypeError:
         return False
     return True
