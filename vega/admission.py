@@ -190,7 +190,8 @@ class Admission:
             reason = "sustained overload: queue kept short"
         else:
             target = batcher.standing_after_s
-            reason = "queue holds as much work as it may buffer"
+            reason = (f"queue holds as much work as it may buffer ({1000 * target:.0f} ms "
+                      "predicted, as VEGA_CODEL_INTERVAL_MS sets)")
         if ahead_s > target:
             code = "shed" if priority == SHEDDABLE else "queue_full"
             raise VegaError(code, reason,
