@@ -475,6 +475,30 @@ async def test_a_submit_whose_answer_timed_out_is_withdrawn_unless_a_runner_has_
             assert await store.get("m", job.id) is None
             assert await store.cmd.xlen(jobs_key("m")) == 0
             assert await store.cmd.keys("*idem*") == []  # the key is free for the retry
+        # The withdrawal times out as well (Redis ran neither answer in time): still a 503,
+        # and the job is withdrawn in the background rather than left to run.
+        store._scripts["submit"] = ran_then_timed_out  # type: ignore[assignment]
+        withdraw = store._scripts["withdraw"]
+        tries: list[int] = []
+
+        async def timed_out_once(**kwargs: Any) -> Any:
+            tries.append(1)
+            if len(tries) == 1:
+                raise redis.exceptions.TimeoutError("Timeout reading from socket")
+            return await withdraw(**kwargs)
+
+        store._scripts["withdraw"] = timed_out_once  # type: ignore[assignment]
+        job = Job(id=new_id(), model="w", instances=b"[[[1.0]]]", single=True, priority=0,
+                  created_ms=now, expires_ms=now + 60_000)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await store.submit(job, None, "p", 100)
+        for _ in range(100):  # the first retry comes at once
+            if len(tries) >= 2 and not store._withdrawing:
+                break
+            await asyncio.sleep(0.02)
+        assert len(tries) == 2
+        assert await store.get("w", job.id) is None
+        assert await store.cmd.xlen(jobs_key("w")) == 0
     finally:
         await store.close()
         server.stop()

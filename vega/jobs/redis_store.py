@@ -2,16 +2,17 @@
 
 ``vega:{model}:jobs`` (consumer group ``workers``) holds one entry per job not yet
 finished; ``vega:{model}:job:<id>`` holds the job's record and, once finished, its
-result, with a TTL. Every step that must not be torn is one Lua script over the keys
-of one model, which share its hash tag (one Cluster slot): submit (the Idempotency-Key,
-the depth bound, the record and the stream entry), start, finish (result, dead letter,
-acknowledgement) and cancel. A job whose record is already final is acknowledged, never
+result, with a TTL. Every step that must not be torn is one Lua script (vega/jobs/lua.py)
+over the keys of one model, which share its hash tag (one Cluster slot): submit (the
+Idempotency-Key, the depth bound, the record and the stream entry), start, finish (result,
+dead letter, acknowledgement) and cancel. A job whose record is already final is acknowledged, never
 run again. Behind Sentinel a new job's 202 waits until a replica has it. Values are
 orjson, checked on the way in: nothing from Redis is trusted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from typing import Any
@@ -31,6 +32,7 @@ from vega.channel.keys import (
     jobs_key,
 )
 from vega.channel.url import SENTINEL, parse_redis_url
+from vega.jobs import lua
 from vega.jobs.store import (
     DONE,
     FINAL,
@@ -46,142 +48,9 @@ from vega.jobs.store import (
 
 log = logging.getLogger("vega.jobs")
 
-# KEYS: stream, job, idempotency key. ARGV: id, max depth, record ttl ms, body print
-# ('' without a key), then the record's field/value pairs. {0, id} added; {1, id} the
-# key's earlier job; {2} the key with another body; {3, depth} the backlog is full.
-_SUBMIT = """
-local status = redis.call('HGET', KEYS[2], 'status')
-if status == 'withdrawn' then return {4, ''} end
-if status then return {0, ARGV[1]} end
-if ARGV[4] ~= '' then
-  local held = redis.call('GET', KEYS[3])
-  if held then
-    local sep = string.find(held, '|', 1, true)
-    if string.sub(held, 1, sep - 1) == ARGV[4] then return {1, string.sub(held, sep + 1)} end
-    return {2, ''}
-  end
-end
-local depth = redis.call('XLEN', KEYS[1])
-if depth >= tonumber(ARGV[2]) then return {3, tostring(depth)} end
-local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1])
-redis.call('HSET', KEYS[2], 'entry', entry, unpack(ARGV, 5))
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-if ARGV[4] ~= '' then
-  redis.call('SET', KEYS[3], ARGV[4] .. '|' .. ARGV[1], 'PX', ARGV[3])
-  redis.call('HSET', KEYS[2], 'idem', KEYS[3])
-end
-return {0, ARGV[1]}
-"""
-
-# KEYS: an idempotency key. ARGV: the value it held. Deleted only if it still holds it.
-_FORGET = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-# KEYS: the records of jobs of one model (one slot). Per job, its attempt number when it
-# may run now, else -1 (finished or cancelled). One script, not a pipeline of scripts: a
-# Redis Cluster client refuses scripts in a pipeline. Status and attempt in one HSET: a
-# script is not rolled back when a later command in it is refused (an ACL, OOM).
-_START = """
-local attempts = {}
-for i, key in ipairs(KEYS) do
-  local status = redis.call('HGET', key, 'status')
-  if status == 'queued' or status == 'running' then
-    attempts[i] = tonumber(redis.call('HGET', key, 'attempts') or '0') + 1
-    redis.call('HSET', key, 'status', 'running', 'attempts', attempts[i])
-  else
-    attempts[i] = -1
-  end
-end
-return attempts
-"""
-
-# KEYS: stream, job, idempotency key. ARGV: record ttl ms, the key's value ('' without
-# one). After a submit's answer timed out (its caller gets 503): whichever of the two runs
-# first, the job is not taken. A queued job comes out of the stream, its key is freed, and
-# a marker stays that a later submit finds. Else the status it has (a runner took it).
-_WITHDRAW = """
-local status = redis.call('HGET', KEYS[2], 'status')
-if status and status ~= 'queued' then return status end
-local entry = redis.call('HGET', KEYS[2], 'entry')
-if entry then
-  redis.call('XACK', KEYS[1], 'workers', entry)
-  redis.call('XDEL', KEYS[1], entry)
-end
-if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'status', 'withdrawn')
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
-return 'withdrawn'
-"""
-
-# KEYS: job, stream, dlq, dead count. ARGV: status, finished ms, result ttl ms, entry,
-# outputs, error, dead-letter flag, dlq maxlen, job id. A final record is never
-# overwritten. Its Idempotency-Key (same slot) lives as long as it: a job finished long
-# after its ttl (reached late in a deep backlog) outlives the key's first TTL.
-_FINISH = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'queued' or status == 'running' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_ms', ARGV[2])
-  if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'outputs', ARGV[5]) end
-  if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[6]) end
-  if ARGV[7] == '1' then
-    local inputs = redis.call('HGET', KEYS[1], 'inputs') or ''
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', 'kind', 'job', 'job', KEYS[1],
-               'reason', ARGV[6], 'inputs', inputs)
-    redis.call('INCR', KEYS[4])
-  end
-  redis.call('HDEL', KEYS[1], 'inputs')
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  local idem = redis.call('HGET', KEYS[1], 'idem')
-  if idem then
-    local held = redis.call('GET', idem)
-    if held and string.sub(held, -(#ARGV[9] + 1)) == '|' .. ARGV[9] then
-      redis.call('PEXPIRE', idem, ARGV[3])
-    end
-  end
-end
-if ARGV[4] ~= '' then
-  redis.call('XACK', KEYS[2], 'workers', ARGV[4])
-  redis.call('XDEL', KEYS[2], ARGV[4])
-end
-return 0
-"""
-
-# KEYS: job, stream. ARGV: entry, job id, 1 to give back the attempt (else 0). Back in the
-# stream as a new entry.
-_RETRY = """
-local status = redis.call('HGET', KEYS[1], 'status')
-redis.call('XACK', KEYS[2], 'workers', ARGV[1])
-redis.call('XDEL', KEYS[2], ARGV[1])
-if status == 'queued' or status == 'running' then
-  local entry = redis.call('XADD', KEYS[2], '*', 'id', ARGV[2])
-  redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', entry)
-  if ARGV[3] ~= '0' then
-    redis.call('HINCRBY', KEYS[1], 'attempts', -1)
-  end
-end
-return 0
-"""
-
-# KEYS: job, stream. ARGV: now ms, result ttl ms. {0} unknown, {1} cancelled, {2, status}.
-_CANCEL = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {0, ''} end
-local expires = tonumber(redis.call('HGET', KEYS[1], 'expires_ms') or '0')
-if status == 'queued' and expires <= tonumber(ARGV[1]) then return {2, 'expired'} end
-if status ~= 'queued' then return {2, status} end
-local entry = redis.call('HGET', KEYS[1], 'entry')
-redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_ms', ARGV[1])
-redis.call('HDEL', KEYS[1], 'inputs')
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if entry then
-  redis.call('XACK', KEYS[2], 'workers', entry)
-  redis.call('XDEL', KEYS[2], entry)
-end
-return {1, 'cancelled'}
-"""
+# A withdrawal that failed as well is tried again after these waits: soon, before a
+# runner is likely to take the job, then for as long as a short Redis outage lasts.
+WITHDRAW_RETRY_S = (0.0, 0.05, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class StoreError(Exception):
@@ -197,9 +66,11 @@ class RedisStore:
         self.reader = connect(url, blocking_timeout_s(timeout_s))  # blocking reads only
         self.result_ttl_ms = int(1000 * result_ttl_s)
         self.dlq_maxlen = dlq_maxlen
+        self._withdrawing: set[asyncio.Task[None]] = set()
         self._scripts = {name: self.cmd.register_script(text) for name, text in (
-            ("submit", _SUBMIT), ("start", _START), ("finish", _FINISH), ("retry", _RETRY),
-            ("cancel", _CANCEL), ("forget", _FORGET), ("withdraw", _WITHDRAW))}
+            ("submit", lua.SUBMIT), ("start", lua.START), ("finish", lua.FINISH),
+            ("retry", lua.RETRY), ("cancel", lua.CANCEL), ("forget", lua.FORGET),
+            ("withdraw", lua.WITHDRAW))}
         self._groups: set[str] = set()
         # Behind Sentinel a 202 waits until a replica has the job, so that killing the
         # primary right after it cannot lose it (replication is asynchronous).
@@ -234,10 +105,13 @@ class RedisStore:
             # Redis may run it yet (a large body, a loaded host), after any look: a 503
             # says nothing was taken, and Nginx sends the job to another process. So it
             # is withdrawn, unless a runner has it already (then it was taken: 202).
-            status = await self._scripts["withdraw"](
-                keys=keys, args=[ttl_ms, f"{print_}|{job.id}" if key is not None else ""],
-                client=self.cmd)
-            if status in (b"withdrawn", "withdrawn"):
+            tag = f"{print_}|{job.id}" if key is not None else ""
+            try:
+                withdrawn = await self._withdraw(keys, ttl_ms, tag)
+            except (rexc.RedisError, OSError):  # still a 503: withdrawn in the background
+                self._withdraw_later(job.id, keys, ttl_ms, tag)
+                raise
+            if withdrawn:
                 raise
             code, value = 0, job.id
         value = value.decode() if isinstance(value, bytes) else str(value)
@@ -260,6 +134,34 @@ class RedisStore:
         if code == 4:  # a resend of a submit withdrawn already
             raise rexc.TimeoutError("the submit was withdrawn after its answer timed out")
         raise queue_full(int(value), max_depth)
+
+    async def _withdraw(self, keys: list[str], ttl_ms: int, tag: str) -> bool:
+        """Whether a submit whose answer timed out is withdrawn (False: a runner has it)."""
+        status = await self._scripts["withdraw"](keys=keys, args=[ttl_ms, tag],
+                                                 client=self.cmd)
+        return status in (b"withdrawn", "withdrawn")
+
+    def _withdraw_later(self, job_id: str, keys: list[str], ttl_ms: int, tag: str) -> None:
+        """Keep withdrawing a submit whose caller got 503 when the first withdrawal failed
+        too: left in the stream, it would run though its caller was told it was not taken
+        (and, without an Idempotency-Key, run again as the retry's job)."""
+        async def keep_trying() -> None:
+            for wait_s in WITHDRAW_RETRY_S:
+                await asyncio.sleep(wait_s)
+                try:
+                    withdrawn = await self._withdraw(keys, ttl_ms, tag)
+                except (rexc.RedisError, OSError):
+                    continue
+                if not withdrawn:
+                    log.warning("job %s: a runner took it before its timed-out submit could "
+                                "be withdrawn; it runs, though its caller got 503", job_id)
+                return
+            log.error("job %s: its submit timed out and Redis could not be reached to "
+                      "withdraw it; it may run, though its caller got 503", job_id)
+
+        task = asyncio.get_running_loop().create_task(keep_trying())
+        self._withdrawing.add(task)
+        task.add_done_callback(self._withdrawing.discard)
 
     async def get(self, model: str, job_id: str) -> Job | None:
         raw: Any = await self.cmd.hgetall(job_key(model, job_id))
@@ -390,6 +292,10 @@ class RedisStore:
         await leave_group(self.cmd, jobs_key(model), GROUP, consumer)
 
     async def close(self) -> None:
+        if self._withdrawing:  # a moment for a withdrawal under way, not its whole backoff
+            await asyncio.wait(list(self._withdrawing), timeout=1.0)
+            for task in self._withdrawing:
+                task.cancel()
         await self.cmd.aclose()
         await self.reader.aclose()
 
