@@ -307,9 +307,9 @@ class Batcher(Queues):
         overdue_s = min(2 * self.times.predict(bucket, size), self.standing_after_s / 4)
         if now - oldest > overdue_s:
             return (0, oldest)
-        shares = self._shares(bucket)
-        items = min(size, sum(shares.values()))
-        seconds = self.times.predict(max(shares), items)
+        given = self._shares(bucket)
+        items = min(size, sum(given.values()))
+        seconds = self.times.predict(max(given), items)
         return (1, -items / seconds if seconds > 0 else oldest)
 
     def _form(self, bucket: int, now: float, items: list[Item]) -> Batch:
@@ -318,15 +318,15 @@ class Batcher(Queues):
             self.shed_waited(bucket, now - self.standing_after_s,
                              lambda: self._shed(now))
         lifo = self.newest_first(now)
-        shares = self._shares(bucket)
-        top = max(shares)
-        size = min(self.config.max_batch_size, sum(shares.values()))
+        given = self._shares(bucket)
+        top = max(given)
+        size = min(self.config.max_batch_size, sum(given.values()))
         run = self._inflight.freeing_run()  # formed ahead, it starts once the running batch ends
         finish = (now if run is None else max(now, run[1])) + self.times.predict(top, size)
         lane, depth = self._lane()  # depth: the live counts, which the takes lower
-        for source, count in shares.items():
+        for source, count in given.items():
             self._take(source, count, items, finish, now, lifo, behind)
-        if lane is INLINE and not any(depth[source] for source in shares):
+        if lane is INLINE and not any(depth[source] for source in given):
             self._drained_at = now
         pad_to = max((item.length for item in items), default=0)
         return Batch(model=self.config.model, bucket=top, items=items, formed_at=now,

@@ -12,7 +12,7 @@ import ipaddress
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -453,7 +453,3 @@ def env_file_text() -> str:
         lines.append(f"#{spec.env}={spec.default}")
         lines.append("")
     return "\n".join(lines)
-
-
-def flag_specs() -> Sequence[Spec]:
-    return SPECS

@@ -183,10 +183,9 @@ class Metrics:
         for item in batch.items:
             wait.observe(max(0.0, item.dispatched_at - item.enqueued_at))
 
-    def set_queue(self, model: str, depths: list[int], inflight: int, rate: float) -> None:
+    def set_queue(self, model: str, depths: list[int], rate: float) -> None:
         for name, depth in zip(PRIORITY_NAMES, depths):
             self.queue_depth.labels(model, name).set(depth)
-        self.inflight.set(inflight)
         self.service_rate.labels(model).set(rate)
 
     def render(self) -> bytes:

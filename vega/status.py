@@ -34,7 +34,7 @@ class Reporter:
         self.rt.metrics.model_processes_up.set(sum(p.up for p in executor.processes))
         self.rt.metrics.model_process_restarts.inc(executor.restarts - self._restarts_counted)
         self._restarts_counted = executor.restarts
-        inflight = sum(s.batcher.inflight for s in self.rt.models.values())
+        self.rt.metrics.inflight.set(sum(s.batcher.inflight for s in self.rt.models.values()))
         self.rt.jobs.refresh_metrics()
         for name, served in self.rt.models.items():
             self.rt.metrics.peer_lent.labels(name).set(self.rt.lent(name))
@@ -45,7 +45,7 @@ class Reporter:
             for index, bound in enumerate(served.batcher.config.buckets):
                 self.rt.metrics.bucket_bound.labels(name, str(index)).set(bound)
             depths = [served.batcher.depth(p) for p in range(len(PRIORITY_NAMES))]
-            self.rt.metrics.set_queue(name, depths, inflight, served.batcher.rate.items_per_s)
+            self.rt.metrics.set_queue(name, depths, served.batcher.rate.items_per_s)
             for priority, age_s in self.queue_ages(served).items():
                 self.rt.metrics.queue_age.labels(name, priority).set(age_s)
         view = self.rt.capacity
@@ -107,12 +107,7 @@ class Reporter:
                 depth[name] += served.batcher.depth(PRIORITY_BY_NAME[name])
                 ages[name] = max(ages[name], age)
         main = self.rt.models[self.rt.default_model].batcher
-        refusals: dict[str, float] = {}
-        for metric in self.rt.metrics.rejections.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    reason = sample.labels["reason"]
-                    refusals[reason] = refusals.get(reason, 0.0) + sample.value
+        refusals = _sum_by(self.rt.metrics.rejections, "reason")
         streams = self.rt.streams
         peers = sum(self.rt.default_model in peer.get("models", ()) for peer in streams.peers) \
             if streams is not None and streams.up else 0  # not another deployment's nodes
@@ -126,10 +121,16 @@ class Reporter:
                       job_items=self.rt.jobs.backlog_items())
 
     def outcomes(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for metric in self.rt.metrics.requests.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    outcome = sample.labels["outcome"]
-                    counts[outcome] = counts.get(outcome, 0) + int(sample.value)
-        return counts
+        return {outcome: int(count)
+                for outcome, count in _sum_by(self.rt.metrics.requests, "outcome").items()}
+
+
+def _sum_by(counter: Any, label: str) -> dict[str, float]:
+    """A counter's totals summed over every label but ``label``."""
+    sums: dict[str, float] = {}
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                value = sample.labels[label]
+                sums[value] = sums.get(value, 0.0) + sample.value
+    return sums

@@ -5,7 +5,7 @@ The origin's side (``vega.streams.Streams``) and the thief's side
 thief can be built and tested alone: give it a link to a Redis, a models map and a
 ``run_local``. The origin sets the callbacks it cares about (``on_error`` to take its
 batches back when Redis goes away, ``take_back`` for a batch of its own that its
-thief read while idle).
+thief read while idle, ``reposted`` for one its busy thief put back under a new id).
 """
 
 from __future__ import annotations

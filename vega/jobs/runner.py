@@ -229,5 +229,3 @@ def _log_end(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("job task died: %r", task.exception())
 
-
-Loop = Callable[[], Awaitable[None]]
