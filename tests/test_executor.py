@@ -26,7 +26,7 @@ from tests.virtual.test_batcher import config, item
 from vega.batcher import Batcher
 from vega.config import load_settings
 from vega.errors import VegaError
-from vega.executor import Executor, process_plan
+from vega.executor import Executor, driven, process_plan
 from vega.modelproc import ModelProcessError, ProcessPlan
 from vega.modelproc.child import serve as child_serve
 from vega.models import SequenceModel, load_model
@@ -51,8 +51,8 @@ def encoder_executor(request: pytest.FixtureRequest) -> Iterator[tuple[Executor,
                         plan=plan(ENCODER, "encoder") if request.param == "process" else None)
     executor.load(DEVICE)
     assert executor.kind == request.param
-    yield executor, model
-    executor.shutdown()
+    with driven(executor):  # a model process's batches go through a loop, as when serving
+        yield executor, model
 
 
 @pytest.mark.parametrize("lengths", [[64] * 8, [1, 9, 16, 63, 64, 130, 200, 256]])
@@ -78,7 +78,7 @@ def test_each_way_cuts_a_per_step_output_to_each_windows_length(way: str) -> Non
     executor = Executor({"labeller": model}, torch_threads=1,
                         plan=plan(spec, "labeller") if way == "process" else None)
     executor.load(DEVICE)
-    try:
+    with driven(executor):
         # A model process found it: this process's metadata says so all the same.
         assert model.outputs[0].shape == (-1, 3)
         reference = per_step("reference")
@@ -91,8 +91,6 @@ def test_each_way_cuts_a_per_step_output_to_each_windows_length(way: str) -> Non
             assert output.shape == (sample.shape[0], 3)
             np.testing.assert_allclose(output, reference.run([sample], sample.shape[0])[0],
                                        atol=1e-5)
-    finally:
-        executor.shutdown()
 
 
 @pytest.mark.parametrize("way", ["thread", "process"])
@@ -102,14 +100,12 @@ def test_each_way_answers_one_number_per_window_as_a_number(way: str) -> None:
                         plan=plan("python:tests.models:window_sum", "sum") if way == "process"
                         else None)
     executor.load(DEVICE)
-    try:
+    with driven(executor):
         assert model.outputs[0].shape == ()
         samples = [np.full((n, 8), 0.5, np.float32) for n in (2, 5)]
         outputs, _ = executor.run_sync("sum", samples, 5)
         assert [np.ndim(output) for output in outputs] == [0, 0]  # not [8.0]: JSON says 8.0
         assert [float(output) for output in outputs] == [8.0, 20.0]
-    finally:
-        executor.shutdown()
 
 
 @pytest.mark.parametrize("way", ["thread", "process"])
@@ -121,15 +117,13 @@ def test_each_way_serves_a_users_module_that_vega_fits(way: str) -> None:
         specs=tuple((spec, name) for name, spec in specs.items()), device=DEVICE,
         torch_threads=1, slot_bytes=1 << 20, timeout_s=30.0) if way == "process" else None)
     executor.load(DEVICE)
-    try:
+    with driven(executor):
         windows = [np.full((n, 8), float(n), np.float32) for n in (2, 9, 30)]
         outputs, _ = executor.run_sync("float64", windows, 30)  # masked: mixed lengths
         np.testing.assert_allclose(np.stack(outputs),
                                    np.outer([2, 9, 30], np.linspace(0.5, 2.0, 8)), rtol=1e-6)
         outputs, _ = executor.run_sync("no_lengths", windows[1:2] * 2, 9)  # one length
         np.testing.assert_allclose(np.stack(outputs), np.full((2, 8), 18.0))
-    finally:
-        executor.shutdown()
 
 
 def test_at_the_defaults_a_model_process_runs_torch_on_one_thread() -> None:
@@ -140,10 +134,19 @@ def test_at_the_defaults_a_model_process_runs_torch_on_one_thread() -> None:
     executor = Executor({"threads": model}, torch_threads=settings.torch_threads,
                         plan=process_plan(settings, [model], ((spec, "threads"),)))
     executor.load(DEVICE)
-    try:
+    with driven(executor):
         assert executor.kind == "process"
         outputs, _ = executor.run_sync("threads", [np.ones((4, 8), np.float32)], 4)
         assert float(outputs[0][0]) == 1.0
+
+
+def test_a_model_process_runs_nothing_from_a_thread_with_no_loop_to_drive_it() -> None:
+    # The loop is the one way to a model process: without one bound, a batch would wait
+    # for a lane forever.
+    executor = Executor({"echo": echo("echo")}, plan=plan(ECHO, "echo"))
+    try:
+        with pytest.raises(RuntimeError, match="bind one first"):
+            executor.run_sync("echo", [np.ones((4, 8), np.float32)], 4)
     finally:
         executor.shutdown()
 

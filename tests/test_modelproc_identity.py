@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.servers import served_device, wait_until
-from vega.executor import Executor
+from vega.executor import Executor, driven
 from vega.modelproc import ProcessPlan
 from vega.models import identity, load_model
 
@@ -88,7 +88,7 @@ def test_a_model_built_otherwise_by_its_model_process_is_served_as_that_process_
     executor = executor_of(SPEC)
     parents = identity(executor.models["scaled"])
     weights.write_text(NEW)  # after this process built it, before its model process did
-    try:
+    with driven(executor):
         with caplog.at_level(logging.WARNING, logger="vega.executor"):
             executor.load(served_device())
         assert "drawn without a seed?" in caplog.text
@@ -100,5 +100,3 @@ def test_a_model_built_otherwise_by_its_model_process_is_served_as_that_process_
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: executor.restarts == 1 and executor.available, 60, "the restart")
-    finally:
-        executor.shutdown()

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
+import uvloop
 
 from vega.config import Settings, length_bounds
 from vega.errors import VegaError, drain_ran_out
@@ -62,11 +64,12 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
     and a thread for TorchScript and other adapters. A process rebuilds the models from
     their specs and takes their samples through shared memory, so both must be there.
     """
-    gil = any(holds_the_gil(adapter) for adapter in adapters)
+    # Not holds_the_gil: an eager module, which it counts too, lets the loop in between calls.
     if s.executor == "thread" and any(getattr(a, "holds_gil", False) for a in adapters):
         log.warning("VEGA_EXECUTOR=thread: a compiled package holds the GIL for each whole "
                     "forward pass, stalling the event loop meanwhile; auto runs it in a process")
-    if s.executor == "thread" or (s.executor == "auto" and (not gil or specs is None)):
+    if s.executor == "thread" or (s.executor == "auto" and (
+            specs is None or not any(holds_the_gil(adapter) for adapter in adapters))):
         if s.model_cpus:
             log.warning("VEGA_MODEL_CPUS pins model processes, and these models run in "
                         "threads (VEGA_EXECUTOR=%s): it pins nothing", s.executor)
@@ -90,11 +93,6 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
                        cpus=s.model_cpus, start_timeout_s=s.model_start_timeout_s)
 
 
-class Runner(Protocol):
-    def run(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
-        """The batch's outputs, and the seconds it held the model."""
-
-
 class InThread:
     """Runs batches in the calling thread, on the adapters themselves."""
 
@@ -102,6 +100,7 @@ class InThread:
         self.models = models
 
     def run(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
+        """The batch's outputs, and the seconds it held the model."""
         started = time.perf_counter()
         outputs = self.models[model].run(samples, pad_to)
         return outputs, time.perf_counter() - started
@@ -119,8 +118,8 @@ class _Job:
 
 class Executor:
     """``threads`` models running batches at once: in worker threads, or with a ``plan``,
-    in that many model processes (driven from the loop, once ``bind`` or ``run`` is
-    first called on it; before, from the calling thread: warm-up, ``vega profile``)."""
+    in that many model processes, driven from the loop that ``bind`` names or ``run`` is
+    first called on (``run_sync`` from a thread queues onto it: warm-up, ``vega profile``)."""
 
     def __init__(self, models: Mapping[str, ModelAdapter], threads: int = 1,
                  torch_threads: int = 0, plan: ProcessPlan | None = None) -> None:
@@ -138,9 +137,8 @@ class Executor:
         self.kind = "thread" if plan is None else "process"
         self._plan = plan
         self.processes: list[ModelProcess] = []
-        # A runner per thread, or per lane of a model process: a batch takes one and
-        # gives it back.
-        self._runners: queue.SimpleQueue[Runner] = queue.SimpleQueue()
+        # Without a plan, a runner per thread: a batch takes one and gives it back.
+        self._runners: queue.SimpleQueue[InThread] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None  # driving the model processes
         self._free: list[Lane] = []  # lanes of the model processes with no batch in them
         self._waiting: deque[_Job] = deque()
@@ -172,9 +170,7 @@ class Executor:
                     process.built.get("identities") or {}))
                 process.plan = plan
                 self._adopt_output_shapes(process.built.get("outputs") or {})
-            for lane in process.lanes:
-                self._runners.put(lane)
-                self._free.append(lane)
+            self._free.extend(process.lanes)
 
     def _adopt_identities(self, built: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
         """The identities a model process started later, or again, must have built, or it
@@ -281,9 +277,9 @@ class Executor:
              held_s: float, ended_at: float, error: BaseException | None) -> None:
         batch.ended_at = ended_at
         self.busy_s += held_s
-        if outputs is not None and len(outputs) != batch.size:
-            error = RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
-            outputs = None
+        miscount = None if outputs is None else _miscount(outputs, batch.size)
+        if miscount is not None:
+            error, outputs = miscount, None
         if error is None:  # a failed batch's time is no batch time to predict from
             batch.infer_s = held_s
         self._resolve(batch, outputs, error, done)
@@ -315,8 +311,9 @@ class Executor:
         try:
             outputs, held_s = runner.run(
                 batch.model, [item.sample for item in batch.items], batch.pad_to)
-            if len(outputs) != batch.size:
-                raise RuntimeError(f"{len(outputs)} outputs for {batch.size} inputs")
+            miscount = _miscount(outputs, batch.size)
+            if miscount is not None:
+                raise miscount
             batch.infer_s = held_s  # as in _ran: only a batch that ran trains the predictor
         except Exception as exc:  # the model's failure is this batch's alone
             error = exc
@@ -332,7 +329,8 @@ class Executor:
             pass
 
     def run_sync(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
-        """Run and wait (warm-up, profiling; not on the loop); return outputs and seconds."""
+        """Run and wait (warm-up, profiling; not on the loop); return outputs and seconds. A
+        model process's batch goes through the loop that ``bind`` named, as served ones do."""
         loop = self._loop
         if loop is not None:  # the loop drives the model processes: queue it there
             result: concurrent.futures.Future[tuple[list[Any], float]] = \
@@ -351,6 +349,8 @@ class Executor:
 
             loop.call_soon_threadsafe(enqueue)
             return result.result()
+        if self._plan is not None:
+            raise RuntimeError("model processes are driven from an event loop: bind one first")
         runner = self._runners.get()
         try:
             return runner.run(model, samples, pad_to)
@@ -399,6 +399,33 @@ class Executor:
     def hung(self) -> bool:
         """A worker thread is still in a batch after ``shutdown``."""
         return any(worker.is_alive() for worker in self._workers)
+
+
+@contextlib.contextmanager
+def driven(executor: Executor) -> Iterator[Executor]:
+    """``executor`` driven from a uvloop, as `vega serve` drives it, run in a helper thread
+    for a caller with none (``vega profile``): ``run_sync`` queues onto it as warm-up does.
+    Leaving, even on an error or Ctrl-C, stops the executor there, then the loop and thread."""
+    loop = uvloop.new_event_loop()
+    executor.bind(loop)  # before the loop runs anything: no other thread reads it yet
+    thread = threading.Thread(target=loop.run_forever, name="vega-loop", daemon=True)
+    thread.start()
+    try:
+        yield executor
+    finally:
+        try:
+            asyncio.run_coroutine_threadsafe(executor.stop(), loop).result()
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+
+
+def _miscount(outputs: list[Any], size: int) -> RuntimeError | None:
+    """The error for a model that gave other than one output an input, else None."""
+    if len(outputs) == size:
+        return None
+    return RuntimeError(f"{len(outputs)} outputs for {size} inputs")
 
 
 def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | None,

@@ -2,9 +2,10 @@
 
 The model is loaded with the same adapter, device and torch threads a server
 would use (``VEGA_*`` settings, ``--env-file``, flags), and each (bucket, size)
-shape is run through ``Executor.run_sync`` in this thread: one untimed pass, then
-``--repeats`` timed ones, each pass over every shape in turn. The file written is what
-``vega simulate`` replays::
+shape is run through ``Executor.run_sync`` with the executor driven from an event loop,
+as a server's warm-up runs them (a model process's batch is timed by its own clock): one
+untimed pass, then ``--repeats`` timed ones, each pass over every shape in turn. The file
+written is what ``vega simulate`` replays::
 
     {"model": "sensor", "spec": "sensor", "device": "cpu", "torch_threads": 1,
      "buckets": [16, ..., 512], "sizes": [1, 2, 4, ...], "repeats": 5,
@@ -95,7 +96,7 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
             torch_threads: int | None = None, buckets: list[int] | None = None,
             sizes: list[int], repeats: int = 5, progress: Any = None) -> dict[str, Any]:
     """Load the model and time every (bucket, size); return the profile document."""
-    from vega.executor import Executor, pick_device, process_plan
+    from vega.executor import Executor, driven, pick_device, process_plan
     from vega.models import load_model
 
     spec = model or settings.model
@@ -114,18 +115,17 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
                               max_batch_size=max(settings.max_batch_size, *sizes))
     plan = process_plan(served, [adapter], ((spec, name),))
     executor = Executor({adapter.name: adapter}, threads=1, torch_threads=threads, plan=plan)
-    executor.load(chosen)
-    bounds = list(length_bounds(tuple(buckets or settings.length_buckets), adapter.max_length))
-    shapes = [(bound, size, [adapter.example(bound)] * size) for bound in bounds
-              for size in sizes]
-    times: dict[tuple[int, int], list[float]] = {(bound, size): [] for bound, size, _ in shapes}
-    try:
+    with driven(executor):  # stopped however this block ends, a failed load included
+        executor.load(chosen)
+        bounds = list(length_bounds(tuple(buckets or settings.length_buckets),
+                                    adapter.max_length))
+        shapes = [(bound, size, [adapter.example(bound)] * size) for bound in bounds
+                  for size in sizes]
+        times: dict[tuple[int, int], list[float]] = {(b, n): [] for b, n, _ in shapes}
         for bound, _size, samples in shapes:
             executor.run_sync(adapter.name, samples, bound)  # untimed: allocations
         for bound, size, samples in in_turn(shapes, repeats):  # as warm-up times them
             times[bound, size].append(executor.run_sync(adapter.name, samples, bound)[1])
-    finally:
-        executor.shutdown()
     seconds = {str(bound): {str(size): {"p50": statistics.median(times[bound, size]),
                                         "p90": _p90(times[bound, size])} for size in sizes}
                for bound in bounds}

@@ -6,11 +6,11 @@ order it was sent. With two lanes the batch formed ahead is already in the child
 when the running one ends, so the child goes from one forward pass to the next without
 waiting on the parent.
 
-Two ways to drive it, one per life of the child: from the event loop (``submit``: the
-loop packs, sends, and reads the answers when the pipe turns readable: no thread wakes
-for a batch), or from threads (``run``, blocking: warm-up and ``vega profile``). A child
-that dies or runs past ``timeout_s`` fails the batches it held; the handle then restarts
-it in the background with backoff and is unavailable until it is warm.
+It is driven from the event loop (``submit``): the loop packs, sends, and reads the
+answers when the pipe turns readable, so no thread wakes for a batch; work from a thread
+(warm-up, ``vega profile``) is queued onto that loop by the executor. A child that dies or
+runs past ``timeout_s`` fails the batches it held; the handle then restarts it in the
+background with backoff and is unavailable until it is warm.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, NoReturn
+from typing import Any
 
 import orjson
 
@@ -101,16 +101,14 @@ class _Sent:
 
 @dataclass
 class _Life:
-    """One life of the child: its pipe, and the batches sent and answered on it."""
+    """One life of the child: its pipe, and the batches it holds."""
 
     process: subprocess.Popen[bytes]
     conn: Connection
-    sent: int = 0
-    answered: int = 0
     answered_at: float = 0.0  # perf_counter when the last answer was read
-    # Driven from the loop: the pipe's reading end there (a dup, so that the watcher
-    # thread closing ``conn`` never closes an fd the loop's selector holds), the batches
-    # in the child in sending order, and the timer on the oldest.
+    # From its first batch on: the pipe's reading end on the loop (a dup, so that the
+    # watcher thread closing ``conn`` never closes an fd the loop's selector holds), the
+    # batches in the child in sending order, and the timer on the oldest.
     reader: Connection | None = None
     loop: asyncio.AbstractEventLoop | None = None
     in_child: deque[_Sent] = field(default_factory=deque)
@@ -134,8 +132,7 @@ class ModelProcess:
                        for k in range(plan.lanes)]
         self.lanes = [Lane(self, k) for k in range(plan.lanes)]
         self._life: _Life | None = None
-        self._send_lock = threading.Lock()  # one message at a time, tickets in send order
-        self._turn = threading.Condition()  # a lane reads its answer when its turn comes
+        self._send_lock = threading.Lock()  # the loop sends, the watcher closes: one at a time
         self._up = threading.Event()
         self._closed = False
         self._started_at = 0.0
@@ -150,51 +147,10 @@ class ModelProcess:
         """Start the child and wait until its models are loaded (raises ModelProcessError)."""
         self._spawn(restart=False)
 
-    def run(self, lane: int, model: str, samples: list[Any], pad_to: int
-            ) -> tuple[list[Any], float]:
-        """Run one batch on the child through slot ``lane``: its outputs, and the seconds
-        it held the child (from when the child could start it to its answer).
-
-        Raises VegaError(not_ready) while the child restarts."""
-        life = self._life
-        if not self._up.is_set() or life is None:
-            raise VegaError("not_ready", "the model process is restarting",
-                            retry_after_ms=1000.0 * self._backoff_s())
-        if life.loop is not None:
-            raise RuntimeError("this model process is driven from an event loop")
-        message = self._pack(lane, model, samples, pad_to)
-        try:
-            with self._send_lock:
-                life.conn.send_bytes(message)
-                ticket = life.sent
-                life.sent += 1
-            sent_at = time.perf_counter()
-            with self._turn:
-                self._turn.wait_for(lambda: life.answered == ticket)
-            try:
-                started = max(sent_at, life.answered_at)  # it waited behind the one before
-                if not life.conn.poll(self.plan.timeout_s):
-                    self._kill(life, f"gave no answer within {self.plan.timeout_s:g} s")
-                reply = orjson.loads(life.conn.recv_bytes())
-                payload = life.conn.recv_bytes() if reply.get("inline") else None
-                life.answered_at = time.perf_counter()
-            finally:
-                with self._turn:
-                    life.answered += 1
-                    self._turn.notify_all()
-        except (EOFError, OSError) as error:
-            self._kill(life, f"died during a batch ({type(error).__name__})")
-        if not reply.get("ok"):
-            raise ModelRaised(str(reply.get("error", "model failed")))
-        outputs = slot.unpack(self._slots[lane] if payload is None else payload, reply, copy=True)
-        return outputs, time.perf_counter() - started
-
     def _pack(self, lane: int, model: str, samples: list[Any], pad_to: int) -> bytes:
         """Write the samples into slot ``lane``; the header that sends them to the child."""
         header = slot.pack(self._slots[lane], samples)
         return orjson.dumps({"model": model, "pad_to": pad_to, "slot": lane, **header})
-
-    # -- driven from the event loop ----------------------------------------------------
 
     def submit(self, lane: int, model: str, samples: list[Any], pad_to: int,
                answered: Answered) -> None:
@@ -208,20 +164,17 @@ class ModelProcess:
             self._attach(life, asyncio.get_running_loop())  # this life's first batch
         # (A life lost to the loop has no reader; its watcher has not replaced it yet.)
         if not self._up.is_set() or life is None or life.reader is None:
-            raise VegaError("not_ready", "the model process is restarting",
-                            retry_after_ms=1000.0 * self._backoff_s())
+            raise self._restarting()
         message = self._pack(lane, model, samples, pad_to)
         try:
             # A few hundred bytes, at most ``lanes`` unread: the socket buffer takes it
             # without blocking the loop.
             with self._send_lock:
                 life.conn.send_bytes(message)
-                life.sent += 1
         except OSError as error:  # not sent, so not held: the caller fails it, _lost the rest
             asyncio.get_running_loop().call_soon(
                 self._lost, life, f"died during a batch ({type(error).__name__})")
-            raise VegaError("not_ready", "the model process is restarting",
-                            retry_after_ms=1000.0 * self._backoff_s()) from None
+            raise self._restarting() from None
         life.in_child.append(_Sent(lane, answered, time.perf_counter()))
         if len(life.in_child) == 1:
             self._arm(life)
@@ -276,7 +229,6 @@ class ModelProcess:
         sent = life.in_child.popleft()
         started = max(sent.sent_at, life.answered_at)  # it waited behind the one before
         life.answered_at = now
-        life.answered += 1
         if life.timer is not None:
             life.timer.cancel()
             life.timer = None
@@ -399,15 +351,6 @@ class ModelProcess:
         threading.Thread(target=self._watch, args=(process,), daemon=True,
                          name=f"vega-model-{self.index}-watch").start()
 
-    def _kill(self, life: _Life, why: str) -> NoReturn:
-        """Fail a batch this life of the child held; its watcher sees it go and restarts it."""
-        if life is self._life:  # not a life that has already been replaced
-            self._up.clear()
-        log.error("model process %d (pid %s) %s", self.index, life.process.pid, why)
-        if life.process.poll() is None:
-            life.process.kill()
-        raise ModelProcessError(f"model process {why}")
-
     def _watch(self, process: subprocess.Popen[bytes]) -> None:
         """Wait for this life of the child to end; unless closing, start the next."""
         process.wait()
@@ -435,6 +378,11 @@ class ModelProcess:
     def _backoff_s(self) -> float:
         return BACKOFF_S[min(self._failures, len(BACKOFF_S) - 1)]
 
+    def _restarting(self) -> VegaError:
+        """What a batch gets while no warm child is there: 503, retry after the backoff."""
+        return VegaError("not_ready", "the model process is restarting",
+                         retry_after_ms=1000.0 * self._backoff_s())
+
     def _stop_child(self, grace_s: float) -> None:
         life, self._life = self._life, None
         if life is None:
@@ -449,12 +397,8 @@ class ModelProcess:
 
 
 class Lane:
-    """One slot of a model process, as an executor runner: one batch at a time."""
+    """One slot of a model process, which the executor hands one batch at a time."""
 
     def __init__(self, process: ModelProcess, index: int) -> None:
         self.process = process
         self.index = index
-
-    def run(self, model: str, samples: list[Any], pad_to: int) -> tuple[list[Any], float]:
-        return self.process.run(self.index, model, samples, pad_to)
-
