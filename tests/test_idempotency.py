@@ -17,7 +17,7 @@ from redis import exceptions as rexc
 from tests.infra import RedisServer
 from tests.inproc import in_process
 from tests.models import forwarded, window
-from tests.servers import VegaProcess
+from tests.servers import VegaProcess, metric
 from vega.calls import Reply
 from vega.channel.client import SideRedis, Unavailable
 from vega.errors import VegaError
@@ -119,6 +119,11 @@ async def test_repeats_run_the_model_once_and_conflicts_are_422(
     assert len({r.content for r in together}) == 1
     assert sum(r.headers.get("idempotent-replayed") == "true" for r in together) == 3
     assert forwarded(log) == base + 2
+    # Each of the four repeats counted once: one replayed at once, three waited (and then
+    # replayed the answer they waited for, not counted again).
+    events = {event: metric(server, "vega_idempotent_requests_total", model="echo",
+                            event=event) for event in ("replayed", "waited")}
+    assert events == {"replayed": 1, "waited": 3}, events
 
     conflict = post(server.url, orjson.dumps({"inputs": window(8, 0.6)}), "order-1")
     assert conflict.status_code == 422 and conflict.json()["error"]["code"] == "invalid_input"

@@ -119,7 +119,8 @@ class Metrics:
         self.cache_bytes = Gauge("vega_cache_bytes", "Bytes held by the in-process cache",
                                  registry=r)
         self.idempotent = Counter("vega_idempotent_requests_total",
-                                  "Repeats of an Idempotency-Key: replayed, waited",
+                                  "Repeats of an Idempotency-Key, each once: replayed (a "
+                                  "recorded answer at once), waited (for an attempt running)",
                                   ["model", "event"], registry=r)
         self.degraded = Counter("vega_degraded_total",
                                 "Requests served by the fallback model instead of the main one",

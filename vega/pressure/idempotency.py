@@ -115,6 +115,7 @@ class Idempotency:
         """Replay the first answer, wait for it, or become the attempt that runs."""
         loop = asyncio.get_running_loop()
         slot = f"{model}\x00{key}"
+        waited = False  # a repeat is counted once: it waited for an attempt, or replayed
         while True:
             entry = self._live(slot, loop.time())
             if entry is None:
@@ -122,12 +123,15 @@ class Idempotency:
             if entry.fingerprint != print_:
                 raise _conflict()
             if not entry.answer.done():
-                self.metrics.idempotent.labels(model, "waited").inc()
+                if not waited:
+                    self.metrics.idempotent.labels(model, "waited").inc()
+                    waited = True
                 await _wait(entry.answer, deadline)
                 continue
             reply = entry.answer.result()
             if reply is not None:
-                self.metrics.idempotent.labels(model, "replayed").inc()
+                if not waited:
+                    self.metrics.idempotent.labels(model, "replayed").inc()
                 return Claim(replay=reply)
         entry = _Entry(print_, loop.create_future())
         self._entries[slot] = entry
@@ -140,7 +144,8 @@ class Idempotency:
                 raise
             if claim.replay is not None:
                 self._settle(claim, claim.replay)
-                self.metrics.idempotent.labels(model, "replayed").inc()
+                if not waited:
+                    self.metrics.idempotent.labels(model, "replayed").inc()
         return claim
 
     async def finish(self, claim: Claim, reply: Reply | None) -> None:
