@@ -1,6 +1,6 @@
 """What passes through the request stack (vega.stack): one parsed inference call and its reply.
 
-Each protocol is a ``Dialect`` (``/v1`` in vega.server, the Open Inference Protocol in
+Each protocol is a ``Dialect`` (``/v1`` in vega.v1, the Open Inference Protocol in
 vega.oip): it names the model a request is for, turns a body into a ``Call``, and writes
 answers and errors as ``Reply``s in its own shape. The layers between (idempotency, cache,
 the runtime) see only these, so they work the same for every protocol.
@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
 from starlette.requests import Request
 
 from vega.errors import VegaError
@@ -70,6 +71,11 @@ class Reply:
         return cls(int(doc["status"]), body,
                    {str(k): str(v) for k, v in doc["headers"].items()}, str(doc["outcome"]),
                    None if media is None else str(media))
+
+    @classmethod
+    def from_error(cls, error: VegaError) -> Reply:
+        """``error`` in Vega's own error shape (``/v1`` and the job routes)."""
+        return cls(error.status, orjson.dumps(error.body()), error.headers(), error.code)
 
     def without(self, *names: str) -> Reply:
         """This reply less the headers ``names`` (what only the first sending should carry)."""

@@ -2,7 +2,8 @@
 
 A request is read (size-limited while reading), parsed with orjson, and handed to
 the request stack (vega.stack): idempotency, cache, then the runtime, which admits,
-queues and awaits it. ``V1`` is this API's dialect: its bodies and its error shape.
+queues and awaits it. Each protocol's dialect lives beside its routes: ``/v1`` in
+vega.v1, the Open Inference Protocol in vega.oip.
 
 Inference POSTs reach their guard past Starlette's router (``HotRoutes``): it is the
 one hot path, and the router's layers were a large share of its loop time.
@@ -15,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -23,125 +23,23 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vega.calls import Call, Handler, Reply
+from vega.calls import Handler
 from vega.channel.client import SideRedis
 from vega.config import Settings
 from vega.errors import VegaError
-from vega.httpio import (
-    HotRequest,
-    Sent,
-    decompress,
-    error_response,
-    json_response,
-    outputs_json,
-    parse_deadline_ms,
-    parse_json,
-    parse_priority,
-    scanned_priority,
-)
+from vega.httpio import HotRequest, Sent, error_response, json_response
 from vega.jobs.routes import JobsApi
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from vega.models import ModelAdapter, identity
 from vega.oip.routes import OipApi
 from vega.oip.routes import error_response as oip_error_response
 from vega.pressure.cache import ResponseCache, models_to_cache
-from vega.pressure.idempotency import Idempotency, fingerprint
-from vega.runtime import Answer, Runtime
+from vega.pressure.idempotency import Idempotency
+from vega.runtime import Runtime
 from vega.stack import Guard, cached, core, idempotent
+from vega.v1 import V1
 
 log = logging.getLogger("vega.server")
-
-BODY_FIELDS = frozenset({"inputs", "instances", "priority", "deadline_ms", "id"})
-
-
-def parse_infer_body(doc: Any, request: Request, settings: Settings
-                     ) -> tuple[list[Any], bool, int, float]:
-    """(instances, single, priority, deadline_ms) from a /v1 body and its headers."""
-    if not isinstance(doc, dict):
-        raise VegaError("invalid_input", "body must be a JSON object")
-    unknown = set(doc) - BODY_FIELDS
-    if unknown:
-        raise VegaError("invalid_input", f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
-    if ("inputs" in doc) == ("instances" in doc):
-        raise VegaError("invalid_input", "give exactly one of 'inputs' or 'instances'")
-    single = "inputs" in doc
-    instances = [doc["inputs"]] if single else doc["instances"]
-    if not isinstance(instances, list) or not instances:
-        raise VegaError("invalid_input", "'instances' must be a non-empty list")
-    if len(instances) > settings.max_instances:
-        raise VegaError("invalid_input", f"more than {settings.max_instances} instances")
-    # A field given as null is not given: the header, if any, stands (as on /v2).
-    priority = parse_priority(_field(doc, "priority", request, "x-vega-priority"))
-    deadline_ms = parse_deadline_ms(_field(doc, "deadline_ms", request, "x-vega-deadline-ms"),
-                                    settings)
-    return instances, single, priority, deadline_ms
-
-
-def _field(doc: dict[str, Any], name: str, request: Request, header: str) -> Any:
-    value = doc.get(name)
-    return request.headers.get(header) if value is None else value
-
-
-# What a retry may change and still ask for the same answer: its time left, its class.
-NOT_FINGERPRINTED = frozenset({"deadline_ms", "priority"})
-
-
-def _asked(doc: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in doc.items() if key not in NOT_FINGERPRINTED}
-
-
-class V1:
-    """The ``/v1`` dialect: Vega's own JSON bodies and error shape (DESIGN.md)."""
-
-    refuses_unread = True
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.settings = runtime.settings
-
-    def model(self, request: Request) -> str:
-        return str(request.path_params.get("name") or self.runtime.default_model)
-
-    def claimed(self, request: Request, body: bytes) -> int | None:
-        return scanned_priority(body, request.headers.get("x-vega-priority"))
-
-    def parse(self, request: Request, model: str, body: bytes, keyed: bool) -> Call:
-        """The call a /v1 body makes, fingerprinted when ``keyed`` (idempotent).
-
-        The parsed document ends here: the runtime empties ``call.instances`` once it
-        has decoded them, and no frame that waits may still hold the rest of it.
-        """
-        encoding = request.headers.get("content-encoding")
-        if encoding is not None:
-            body = decompress(body, encoding, self.settings.max_body_bytes)
-        doc = parse_json(body)
-        instances, single, priority, deadline_ms = parse_infer_body(doc, request, self.settings)
-        ident = doc.get("id")
-        if ident is not None and not (isinstance(ident, str) and len(ident) <= 256):
-            raise VegaError("invalid_input", "id must be a string of at most 256 characters")
-        shape = "1" if single else "n"  # the answer echoes the id: it keys a cached one too
-        return Call(request, self, model, instances, priority, deadline_ms,
-                    variant=shape if ident is None else f"{shape}:{ident}",
-                    # Named for its protocol: one key on /v1 and /v2 is a conflict, not a
-                    # replay of the other's answer.
-                    fingerprint=f"v1:{fingerprint(_asked(doc))}" if keyed else "",
-                    context=(single, ident))
-
-    def render(self, call: Call, answer: Answer) -> Reply:
-        single, ident = call.context
-        outputs = answer.outputs[0] if single else answer.outputs
-        doc = {"model": answer.model or call.model, "outputs": outputs}
-        if ident is not None:
-            doc["id"] = ident
-        body = outputs_json(doc)
-        headers = {"Server-Timing": f"queue;dur={1000 * answer.queue_s:.2f}, "
-                                    f"infer;dur={1000 * answer.infer_s:.2f}"}
-        if answer.degraded:
-            headers["X-Vega-Degraded"] = "1"
-        return Reply(200, body, headers, "ok")
-
-    def refusal(self, error: VegaError) -> Reply:
-        return Reply(error.status, orjson.dumps(error.body()), error.headers(), error.code)
 
 
 class Api:
@@ -253,7 +151,7 @@ def create_app(settings: Settings, adapters: list[ModelAdapter] | None = None,
             await runtime.stop()
             await relief.close()
 
-    jobs = JobsApi(runtime, parse_infer_body)  # the async lane (vega/jobs/)
+    jobs = JobsApi(runtime)  # the async lane (vega/jobs/)
     v1 = Guard(runtime, V1(runtime), stack, [relief.check_headers], later=jobs,
                refuse_early=relief.refuse_early)
     oip = OipApi(runtime)

@@ -1,16 +1,15 @@
 """The job routes: submit, poll, cancel; and ``Prefer: respond-async`` on /v1/infer.
 
 A job body is the /v1/infer body plus ``ttl_s``, parsed and checked by the same code
-as /v1/infer (the parser the server hands in, and the model's own input check), so a
-bad body gets the same 4xx and nothing is stored. Ids are checked by their form
-before any store is asked.
+as /v1/infer (vega.v1's parser, and the model's own input check), so a bad body gets
+the same 4xx and nothing is stored. Ids are checked by their form before any store is
+asked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -19,7 +18,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from vega.calls import Reply
-from vega.config import Settings
 from vega.errors import VegaError, invalid_input
 from vega.httpio import (
     JSON,
@@ -36,11 +34,10 @@ from vega.pressure.idempotency import KEY_PATTERN, fingerprint
 from vega.records import NORMAL
 from vega.runtime import Runtime
 from vega.stack import DISCONNECTED, conclude, internal_error
+from vega.v1 import parse_infer_body
 
 # The refusals that a caller who can wait would rather have as a job (DESIGN.md "Jobs").
 TURNED = frozenset({"shed", "queue_full", "deadline_unmeetable"})
-
-BodyParser = Callable[[Any, Request, Settings], tuple[list[Any], bool, int, float]]
 
 
 def wants_async(request: Request) -> bool:
@@ -53,10 +50,9 @@ def wants_async(request: Request) -> bool:
 
 
 class JobsApi:
-    def __init__(self, runtime: Runtime, parse_body: BodyParser) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.settings = runtime.settings
-        self.parse_body = parse_body
 
     def routes(self) -> list[Route]:
         return [Route("/v1/jobs", self.submit, methods=["POST"]),
@@ -79,11 +75,11 @@ class JobsApi:
                                    self.settings.jobs_max_ttl_s)  # no job runs after it
             reply, priority = await self._submit(request, name, body, with_ttl=True)
         except VegaError as error:
-            reply = _refusal(error)
+            reply = Reply.from_error(error)
         except ClientDisconnect:
             reply = DISCONNECTED
         except Exception:
-            reply = _refusal(internal_error(request))
+            reply = Reply.from_error(internal_error(request))
         await conclude(self.runtime, name, priority, reply.outcome, started)
         return Response(reply.body, reply.status, headers=reply.headers, media_type=JSON)
 
@@ -103,7 +99,7 @@ class JobsApi:
             # not_ready here is the job store away, for every process alike: the inline
             # refusal stands, not a 503 that Nginx would count against this process.
             return refused if error.code in TURNED or error.code == "not_ready" \
-                else _refusal(error)
+                else Reply.from_error(error)
         reply.headers["Preference-Applied"] = "respond-async"
         return reply
 
@@ -119,7 +115,7 @@ class JobsApi:
         print_ = fingerprint(doc) if key is not None else ""
         ttl_s = self._ttl_s(doc.pop("ttl_s", None) if with_ttl and isinstance(doc, dict)
                             else None)
-        instances, single, priority, _deadline = self.parse_body(doc, request, self.settings)
+        instances, single, priority, _deadline = parse_infer_body(doc, request, self.settings)
         decode_all(served.adapter, instances)  # the model's own check, as /v1/infer makes it
         now_ms = wall_ms()
         job = Job(id=new_id(), model=served.adapter.name, instances=orjson.dumps(instances),
@@ -198,6 +194,3 @@ def _idempotency_key(header: str | None) -> str | None:
         raise invalid_input("Idempotency-Key must be 1-255 printable ASCII characters")
     return match.group(1)
 
-
-def _refusal(error: VegaError) -> Reply:
-    return Reply(error.status, orjson.dumps(error.body()), error.headers(), error.code)
