@@ -15,20 +15,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vega.admission import Admission, AdmissionConfig, NeverFits
+from vega.admission import Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
 from vega.config import Settings
-from vega.errors import REFUSALS, VegaError, drain_ran_out, reraisable
+from vega.errors import VegaError, drain_ran_out, reraisable
 from vega.executor import Executor, pick_device, process_plan
 from vega.jobs.lane import JobLane
 from vega.metrics import Metrics
 from vega.modelproc.handle import ModelProcessError
 from vega.models import ModelAdapter, decode_all, load_model
-from vega.models.loader import ModelLoadError, check_fallback
 from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
+from vega.pressure.fallback import Fallback, first_admitted, load_fallback
 from vega.pressure.looplag import LoopLag
 from vega.pressure.pacing import RefusalPacer
-from vega.records import JOB, PRIORITY_BY_NAME, PRIORITY_NAMES, Batch, Item
+from vega.records import JOB, PRIORITY_NAMES, Batch, Item
 from vega.status import Reporter
 from vega.streams import Streams
 from vega.warmup import planned, seed_batch_times
@@ -67,13 +67,12 @@ class Runtime:
         self._adapters = list(adapters) if adapters is not None else [
             load_model(settings.model, settings.model_name)]
         self.default_model = self._adapters[0].name
-        self.fallback_model = self._add_fallback(settings.fallback_model)
+        self.fallback = self._add_fallback()  # VEGA_FALLBACK_MODEL (vega/pressure/fallback.py)
         # What a model process rebuilds the adapters from; unknown for adapters given here.
         specs = None if adapters is not None else tuple(
             (spec, name) for spec, name in ((settings.model, settings.model_name),
                                             (settings.fallback_model, ""))
             if spec)
-        self._degradable = frozenset(PRIORITY_BY_NAME[c] for c in settings.degrade_classes)
         self.capacity = Capacity(CapacityConfig(
             target=settings.capacity_target, grow_after_s=settings.capacity_grow_s,
             shrink_after_s=settings.capacity_shrink_s, job_drain_s=settings.jobs_drain_target_s))
@@ -126,9 +125,8 @@ class Runtime:
             torch.set_num_threads(s.torch_threads)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.executor.load, self.device)
-        if self.fallback_model is not None:
-            fallback = next(a for a in self._adapters if a.name == self.fallback_model)
-            check_fallback(s.fallback_model, self._adapters[0], fallback, "outputs")
+        if self.fallback is not None:
+            self.fallback.check_answers(self._adapters)
         self.executor.bind(loop)
         for adapter in self._adapters:
             config = BatcherConfig.from_settings(s, adapter.name, adapter.max_length,
@@ -316,18 +314,12 @@ class Runtime:
         VEGA_DEGRADE_WATERMARK, and whenever the main model would refuse them; one
         the fallback refuses is still tried on the main model.
         """
-        fallback = self.fallback_for(served, priority)
-        if fallback is None:
+        fallback, other = self.fallback, self.fallback_for(served, priority)
+        if fallback is None or other is None:
             return served, self._admit_on(served, instances, priority, deadline, now, arrived)
-        order = [served, fallback]
-        if served.batcher.depth() >= self.settings.degrade_watermark * self.settings.queue_capacity:
-            order.reverse()
-        try:
-            return order[0], self._admit_on(order[0], instances, priority, deadline, now, arrived)
-        except VegaError as error:
-            if error.code not in REFUSALS and not isinstance(error, NeverFits):
-                raise
-        return order[1], self._admit_on(order[1], instances, priority, deadline, now, arrived)
+        return first_admitted(fallback.order(served, other, served.batcher.depth()),
+                              lambda s: self._admit_on(s, instances, priority, deadline, now,
+                                                       arrived))
 
     @staticmethod
     def _admit_on(served: Served, instances: Sequence[Any], priority: int, deadline: float,
@@ -337,24 +329,24 @@ class Runtime:
 
     def fallback_for(self, served: Served, priority: int) -> Served | None:
         """The fallback that may serve ``priority`` requests for ``served``, if any."""
-        if (self.fallback_model is None or served.adapter.name != self.default_model
-                or priority not in self._degradable):
+        if self.fallback is None or not self.fallback.serves(served.adapter.name, priority):
             return None
-        return self.models.get(self.fallback_model)
+        return self.models.get(self.fallback.name)
 
-    def _add_fallback(self, spec: str) -> str | None:
-        """Load the fallback model (VEGA_FALLBACK_MODEL) beside the main one; its name."""
-        if not spec:
+    @property
+    def fallback_model(self) -> str | None:
+        """The fallback's name, if one is configured (as /v1/status shows it)."""
+        return None if self.fallback is None else self.fallback.name
+
+    def _add_fallback(self) -> Fallback | None:
+        """Load the fallback model beside the main one (unless an adapter given has its name)."""
+        loaded = load_fallback(self.settings, self._adapters[0])
+        if loaded is None:
             return None
-        adapter = load_model(spec)
-        main = self._adapters[0]
-        if adapter.name == main.name:
-            raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: served under the same name "
-                                 f"as the main model ({main.name!r})")
-        check_fallback(spec, main, adapter)
+        fallback, adapter = loaded
         if all(a.name != adapter.name for a in self._adapters):
             self._adapters.append(adapter)
-        return adapter.name
+        return fallback
 
     def _opened(self) -> None:
         self.active_requests += 1

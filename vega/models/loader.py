@@ -14,7 +14,6 @@ from typing import Any
 
 from vega.models.base import ModelAdapter, SequenceModel
 
-
 log = logging.getLogger("vega.models")
 
 
@@ -22,7 +21,6 @@ class ModelLoadError(Exception):
     """The model spec names something that cannot be loaded; the message says what."""
 
 
-BUILTIN = {"sensor", "sensor-small"}
 VERSION = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -171,20 +169,3 @@ def _wrap_module(module: Any, name: str) -> ModelAdapter:
     adapter.deterministic = bool(getattr(module, "vega_deterministic", True))  # for the cache
     return adapter
 
-
-def check_fallback(spec: str, main: ModelAdapter, fallback: ModelAdapter,
-                   side: str = "inputs") -> None:
-    """Raise unless ``fallback`` (VEGA_FALLBACK_MODEL) takes the inputs ``main`` takes or,
-    with ``side="outputs"`` once both are loaded (when a module's shapes are found),
-    answers as ``main`` does: a degraded caller gets an answer of the same shape."""
-    ours, theirs = getattr(fallback, side), getattr(main, side)
-    if [(t.datatype, t.shape) for t in ours] != [(t.datatype, t.shape) for t in theirs]:
-        shapes = ", ".join(f"{a.name}: {list(t.shape)}" for a, specs in
-                           ((main, theirs), (fallback, ours)) for t in specs)
-        verb = "takes" if side == "inputs" else "answers"
-        raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: {verb} different {side} "
-                             f"from {main.name!r} ({shapes})")
-    if side == "inputs" and fallback.max_length < main.max_length:  # else a valid one is 422
-        raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: takes windows of at most "
-                             f"{fallback.max_length} steps, {main.name!r} of "
-                             f"{main.max_length}")
