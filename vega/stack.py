@@ -31,7 +31,8 @@ from vega.runtime import ClientGone, Runtime
 log = logging.getLogger("vega.stack")
 
 DISCONNECTED = Reply(499, b"", {}, "disconnected", None)
-LOAD_REFUSALS = frozenset({"shed", "queue_full", "deadline_unmeetable"})  # may become jobs
+# The refusals that a caller who can wait would rather have as a job (DESIGN.md "Jobs").
+LOAD_REFUSALS = frozenset({"shed", "queue_full", "deadline_unmeetable"})
 
 
 def internal_error(request: Request) -> VegaError:

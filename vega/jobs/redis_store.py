@@ -40,11 +40,11 @@ from vega.jobs.store import (
     Job,
     Stats,
     Submitted,
-    conflict,
     queue_full,
     valid_id,
     wall_ms,
 )
+from vega.pressure.idempotency import conflict
 
 log = logging.getLogger("vega.jobs")
 

@@ -30,14 +30,11 @@ from vega.httpio import (
 from vega.jobs.runner import STORE_ERRORS
 from vega.jobs.store import CANCELLED, QUEUED, Job, new_id, valid_id, wall_ms
 from vega.models import decode_all
-from vega.pressure.idempotency import KEY_PATTERN, fingerprint
+from vega.pressure.idempotency import fingerprint, parse_key
 from vega.records import NORMAL
 from vega.runtime import Runtime
-from vega.stack import DISCONNECTED, conclude, internal_error
+from vega.stack import DISCONNECTED, LOAD_REFUSALS, conclude, internal_error
 from vega.v1 import parse_infer_body
-
-# The refusals that a caller who can wait would rather have as a job (DESIGN.md "Jobs").
-TURNED = frozenset({"shed", "queue_full", "deadline_unmeetable"})
 
 
 def wants_async(request: Request) -> bool:
@@ -47,6 +44,11 @@ def wants_async(request: Request) -> bool:
         return False
     return any(part.split(";")[0].split("=")[0].strip().lower() == "respond-async"
                for part in prefer.split(","))
+
+
+def _store_away() -> VegaError:
+    """503 for a job store that did not answer: away for every process alike."""
+    return VegaError("not_ready", "the job store is unreachable", retry_after_ms=1000.0)
 
 
 class JobsApi:
@@ -98,7 +100,7 @@ class JobsApi:
         except VegaError as error:
             # not_ready here is the job store away, for every process alike: the inline
             # refusal stands, not a 503 that Nginx would count against this process.
-            return refused if error.code in TURNED or error.code == "not_ready" \
+            return refused if error.code in LOAD_REFUSALS or error.code == "not_ready" \
                 else Reply.from_error(error)
         reply.headers["Preference-Applied"] = "respond-async"
         return reply
@@ -108,7 +110,8 @@ class JobsApi:
         runtime = self.runtime
         runtime.check_open()
         served = runtime.served(name)
-        key = _idempotency_key(request.headers.get("idempotency-key"))
+        # Whatever VEGA_IDEMPOTENCY_TTL_S (the inline answers'): the store keeps it with the job.
+        key = parse_key(request.headers.get("idempotency-key"))
         limit = self.settings.max_body_bytes
         body = decompress(body, request.headers.get("content-encoding"), limit)
         doc = parse_json(body)
@@ -130,8 +133,7 @@ class JobsApi:
                                 retry_after_ms=1000 * lane.wait_s(job.model)) from None
             raise
         except STORE_ERRORS:
-            raise VegaError("not_ready", "the job store is unreachable",
-                            retry_after_ms=1000.0) from None
+            raise _store_away() from None
         headers = {"Location": f"/v1/jobs/{submitted.id}",
                    "Retry-After": str(max(1, math.ceil(lane.wait_s(job.model))))}
         if not submitted.created:
@@ -166,8 +168,7 @@ class JobsApi:
         except VegaError as error:
             return error_response(error)
         except STORE_ERRORS:
-            return error_response(VegaError("not_ready", "the job store is unreachable",
-                                            retry_after_ms=1000.0))
+            return error_response(_store_away())
         return json_response(job.view(wall_ms()))
 
     async def _job(self, job_id: str) -> Job:
@@ -179,18 +180,9 @@ class JobsApi:
         try:
             job = await self.runtime.jobs.find(job_id)
         except STORE_ERRORS:
-            raise VegaError("not_ready", "the job store is unreachable",
-                            retry_after_ms=1000.0) from None
+            raise _store_away() from None
         if job is None:
             raise VegaError("job_not_found", "no such job (or its result has expired)")
         return job
 
-
-def _idempotency_key(header: str | None) -> str | None:
-    if header is None:
-        return None
-    match = KEY_PATTERN.fullmatch(header.strip())
-    if match is None:
-        raise invalid_input("Idempotency-Key must be 1-255 printable ASCII characters")
-    return match.group(1)
 

@@ -17,8 +17,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from vega.errors import VegaError, invalid_input
+from vega.errors import VegaError
 from vega.httpio import kept
+from vega.pressure.idempotency import conflict
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{22}")  # secrets.token_urlsafe(16)
 QUEUED, RUNNING, DONE, FAILED, EXPIRED, CANCELLED = (
@@ -128,10 +129,6 @@ class JobStore(Protocol):
     async def stats(self, model: str) -> Stats: ...
 
     async def close(self) -> None: ...
-
-
-def conflict() -> VegaError:
-    return invalid_input("this Idempotency-Key was used with a different request body")
 
 
 def queue_full(depth: int, max_depth: int) -> VegaError:

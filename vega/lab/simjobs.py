@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.jobs.lane import JobLane
-from vega.jobs.routes import TURNED
 from vega.jobs.runner import JobRunner
 from vega.jobs.store import DONE, FAILED, FINAL, OUTCOMES, Job, MemoryStore
 from vega.lab.hdr import Histogram
@@ -32,8 +31,6 @@ from vega.models.base import TensorSpec
 
 if TYPE_CHECKING:
     from vega.lab.simproc import Requests, SimProcess
-
-__all__ = ["TURNED", "SimJobs"]
 
 
 class _Lengths:

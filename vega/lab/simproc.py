@@ -28,8 +28,9 @@ from vega.channel.peers import PENDING_PER_SPARE
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.lab.profile import LatencyModel
-from vega.lab.simjobs import TURNED, SimJobs
+from vega.lab.simjobs import SimJobs
 from vega.records import JOB, Batch, Item
+from vega.stack import LOAD_REFUSALS
 from vega.warmup import planned, seed_batch_times
 
 # Outcome codes of simulated requests, stored as small ints per request.
@@ -202,7 +203,7 @@ class SimProcess:
         try:
             costs = self.admission.admit(priority, (bucket,), deadline, now)
         except VegaError as error:
-            if can_wait and self.jobs is not None and error.code in TURNED:
+            if can_wait and self.jobs is not None and error.code in LOAD_REFUSALS:
                 self.jobs.submit(self.index, index, priority, length, error.code, now)
             else:
                 self.requests.finish(index, error.code, now, error)

@@ -85,6 +85,21 @@ def fingerprint(doc: Any) -> str:
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
 
+def parse_key(header: str | None) -> str | None:
+    """The key an ``Idempotency-Key`` header names, None without one; 422 when malformed."""
+    if header is None:
+        return None
+    match = KEY_PATTERN.fullmatch(header.strip())
+    if match is None:
+        raise invalid_input("Idempotency-Key must be 1-255 printable ASCII characters")
+    return match.group(1)
+
+
+def conflict() -> VegaError:
+    """422 for a key already used with another body (here, and by the job stores)."""
+    return invalid_input("this Idempotency-Key was used with a different request body")
+
+
 def redis_key(model: str, key: str) -> str:
     return idempotency_key(model, hashlib.blake2b(key.encode(), digest_size=16).hexdigest())
 
@@ -104,12 +119,7 @@ class Idempotency:
 
     def key_of(self, header: str | None) -> str | None:
         """The header's key, or None when absent or switched off; 422 when malformed."""
-        if header is None or not self.enabled:
-            return None
-        match = KEY_PATTERN.fullmatch(header.strip())
-        if match is None:
-            raise invalid_input("Idempotency-Key must be 1-255 printable ASCII characters")
-        return match.group(1)
+        return None if header is None or not self.enabled else parse_key(header)
 
     async def claim(self, model: str, key: str, print_: str, deadline: float) -> Claim:
         """Replay the first answer, wait for it, or become the attempt that runs."""
@@ -121,7 +131,7 @@ class Idempotency:
             if entry is None:
                 break
             if entry.fingerprint != print_:
-                raise _conflict()
+                raise conflict()
             if not entry.answer.done():
                 if not waited:
                     self.metrics.idempotent.labels(model, "waited").inc()
@@ -214,7 +224,7 @@ class Idempotency:
                 continue  # released or expired between SET and GET: try again
             doc = orjson.loads(raw)
             if doc.get("fp") != print_:
-                raise _conflict()
+                raise conflict()
             if doc.get("state") == "done":
                 return Reply.decode(doc["reply"])
             if loop.time() + pause >= deadline:
@@ -248,10 +258,6 @@ async def _wait(answer: asyncio.Future[Reply | None], deadline: float) -> None:
         await asyncio.wait({answer}, timeout=remaining)
     if not answer.done():
         raise _still_running()
-
-
-def _conflict() -> VegaError:
-    return invalid_input("this Idempotency-Key was used with a different request body")
 
 
 def _still_running() -> VegaError:
