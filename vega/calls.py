@@ -17,6 +17,7 @@ import orjson
 from starlette.requests import Request
 
 from vega.errors import VegaError
+from vega.records import deadline_at
 
 if TYPE_CHECKING:
     from vega.runtime import Answer
@@ -42,7 +43,7 @@ class Call:
 
     def deadline(self, now: float) -> float:
         """The loop time of its deadline (counted from ``now`` where arrival is unknown)."""
-        return (now if self.arrived is None else self.arrived) + self.deadline_ms / 1000
+        return deadline_at(self.deadline_ms, now, self.arrived)
 
 
 @dataclass

@@ -221,6 +221,13 @@ def parse_priority(value: Any, default: int = NORMAL) -> int:
                     f"{', '.join(PRIORITY_NAMES)}")
 
 
+def named_priority(value: str | None) -> int | None:
+    """The class ``value`` names, None where it names none or no known one: the lenient
+    ``parse_priority``, for a guess made before the body is parsed (the body's class wins
+    over the header's, and the parse refuses a bad one that stands)."""
+    return PRIORITY_BY_NAME.get(value.strip().lower()) if value else None
+
+
 # After a "priority" key: the colon and the string value, as JSON may space them.
 _PRIORITY_VALUE = re.compile(rb'[ \t\n\r]*:[ \t\n\r]*"([^"\\]*)"')
 # A valid /v1 body holds at most 7 strings: 4 keys, the class, a deadline as text, an id.
@@ -254,10 +261,7 @@ def scanned_priority(body: bytes, header: str | None) -> int | None:
             value, found = match.group(1).decode("utf-8", "replace"), True
             at = match.end() - 1
         at = body.find(b'"', at + 1)
-    try:
-        return parse_priority(value)
-    except VegaError:
-        return None  # the parse answers it
+    return NORMAL if value is None else named_priority(value)  # None: the parse answers it
 
 
 def parse_deadline_ms(value: Any, settings: Settings) -> float:

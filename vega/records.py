@@ -23,6 +23,12 @@ CLASS_NAMES = (*PRIORITY_NAMES, "job")
 _ids = itertools.count(1)
 
 
+def deadline_at(deadline_ms: float, now: float, arrived: float | None) -> float:
+    """The loop time a request's deadline falls at: ``deadline_ms`` after it arrived
+    (DESIGN.md), or after ``now`` where its arrival is unknown."""
+    return (now if arrived is None else arrived) + deadline_ms / 1000
+
+
 @dataclass(eq=False)
 class Item:
     """One instance to run through the model, and the future its caller awaits.

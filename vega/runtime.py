@@ -28,7 +28,7 @@ from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
 from vega.pressure.fallback import Fallback, first_admitted, load_fallback
 from vega.pressure.looplag import LoopLag
 from vega.pressure.pacing import RefusalPacer
-from vega.records import JOB, PRIORITY_NAMES, Batch, Item
+from vega.records import JOB, PRIORITY_NAMES, Batch, Item, deadline_at
 from vega.status import Reporter
 from vega.streams import Streams
 from vega.warmup import planned, seed_batch_times
@@ -277,7 +277,7 @@ class Runtime:
         asked = self.models[model]
         loop = asyncio.get_running_loop()
         now = loop.time()
-        deadline = (now if arrived is None else arrived) + deadline_ms / 1000
+        deadline = deadline_at(deadline_ms, now, arrived)
         if deadline <= now:
             raise VegaError("deadline_exceeded", "deadline passed before the request was read")
         served, costs = self._admit(asked, instances, priority, deadline, now, arrived)

@@ -79,16 +79,21 @@ class Relief:
         s = runtime.settings
         shared = s.redis_url and (s.idempotency_ttl_s > 0 or s.cache_redis_ttl_s > 0)
         self.side = SideRedis(s.redis_url, s.redis_timeout_ms / 1000) if shared else None
-        adapters = runtime.executor.models
+        self.adapters = adapters = runtime.executor.models
         models = {name: identity(adapters[name]) for name in models_to_cache(s, adapters)}
         self.cache = ResponseCache(s.cache_bytes, models, runtime.metrics, self.side,
                                    s.cache_redis_ttl_s) if models else None
-        if self.cache is not None:  # once started: a model process's copy may differ
-            known = self.cache.models
-            runtime.on_start.append(lambda error: None if error else known.update(
-                {name: identity(adapters[name]) for name in known}))
+        if self.cache is not None:
+            runtime.on_start.append(self._identify_started)
         self.idempotency = Idempotency(s.idempotency_ttl_s, s.idempotency_max_keys,
                                        runtime.metrics, self.side)
+
+    def _identify_started(self, error: BaseException | None) -> None:
+        """Once the start succeeded, key cached answers by the models as started: a model
+        process's copy may differ from the one built here."""
+        if error is None and self.cache is not None:
+            known = self.cache.models
+            known.update({name: identity(self.adapters[name]) for name in known})
 
     def around(self, runtime: Runtime) -> Handler:
         return idempotent(self.idempotency, cached(self.cache, core(runtime)))

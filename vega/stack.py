@@ -21,11 +21,11 @@ from starlette.requests import ClientDisconnect, Request
 from vega.admission import NeverFits
 from vega.calls import Call, Dialect, Handler, Reply
 from vega.errors import REFUSALS, VegaError
-from vega.httpio import Sent, hung_up, parse_deadline_ms, read_body
+from vega.httpio import Sent, hung_up, named_priority, parse_deadline_ms, read_body
 from vega.pressure.cache import ResponseCache
 from vega.pressure.idempotency import Idempotency
 from vega.pressure.looplag import LoopLate
-from vega.records import CRITICAL, NORMAL, PRIORITY_BY_NAME, PRIORITY_NAMES
+from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES
 from vega.runtime import ClientGone, Runtime
 
 log = logging.getLogger("vega.stack")
@@ -178,8 +178,7 @@ class Guard:
         try:
             model = self.dialect.model(request)
             early = self.refuse_early(request, model)
-            hinted = request.headers.get("x-vega-priority")
-            named = PRIORITY_BY_NAME.get(hinted.strip().lower()) if hinted else None
+            named = named_priority(request.headers.get("x-vega-priority"))
             priority = NORMAL if named is None else named  # counted under it if refused here
             # Refuse before reading the body when not even a critical request would get in:
             # the body may name any class, and it wins over the header.
