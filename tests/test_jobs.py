@@ -55,6 +55,23 @@ async def submit(client: httpx.AsyncClient, body: Any, **headers: str) -> httpx.
     return await client.post("/v1/jobs", content=orjson.dumps(body), headers=headers)
 
 
+async def test_a_refused_submit_is_counted_under_the_class_it_named() -> None:
+    # Refusals kept the default class: a critical 422 or 503 counted as normal, which the
+    # per-class refusal panels and the VegaCriticalRefused alert read.
+    async with served() as (client, runtime, _):
+        named = await submit(client, {"inputs": [[1.0, 2.0]], "priority": "critical"})
+        headed = await client.post("/v1/jobs", content=b"{not json",
+                                   headers={"X-Vega-Priority": "sheddable"})
+        plain = await client.post("/v1/jobs", content=b"{not json")
+        assert [r.status_code for r in (named, headed, plain)] == [422, 400, 400]
+        counted = {(sample.labels["priority"], sample.labels["outcome"]): sample.value
+                   for metric in runtime.metrics.requests.collect()
+                   for sample in metric.samples if sample.name.endswith("_total")}
+        assert counted[("critical", "invalid_input")] == 1
+        assert counted[("sheddable", "invalid_json")] == 1
+        assert counted[("normal", "invalid_json")] == 1
+
+
 @pytest.fixture(params=["memory", "redis"])
 def store_env(request: pytest.FixtureRequest, tmp_path: Any) -> Any:
     if request.param == "memory":

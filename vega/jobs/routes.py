@@ -24,6 +24,7 @@ from vega.httpio import (
     decompress,
     error_response,
     json_response,
+    named_priority,
     parse_json,
     read_body,
 )
@@ -71,17 +72,22 @@ class JobsApi:
     async def submit(self, request: Request) -> Response:
         started = asyncio.get_running_loop().time()
         name = request.path_params.get("name") or self.runtime.default_model
-        priority = NORMAL
         try:
             body = await read_body(request, self.settings.max_body_bytes,
                                    self.settings.jobs_max_ttl_s)  # no job runs after it
-            reply, priority = await self._submit(request, name, body, with_ttl=True)
+            reply = await self._submit(request, name, body, with_ttl=True)
         except VegaError as error:
             reply = Reply.from_error(error)
         except ClientDisconnect:
             reply = DISCONNECTED
         except Exception:
             reply = Reply.from_error(internal_error(request))
+        # Counted under the class the body named, else the header's, refusals too (the
+        # VegaCriticalRefused alert reads them).
+        priority = request.scope.get("vega.priority")
+        if priority is None:
+            named = named_priority(request.headers.get("x-vega-priority"))
+            priority = NORMAL if named is None else named
         await conclude(self.runtime, name, priority, reply.outcome, started)
         return Response(reply.body, reply.status, headers=reply.headers, media_type=JSON)
 
@@ -96,7 +102,7 @@ class JobsApi:
             if body is None:  # refused before its body was read
                 body = await read_body(request, self.settings.max_body_bytes,
                                        self.settings.jobs_max_ttl_s)
-            reply, _ = await self._submit(request, name, body, with_ttl=False)
+            reply = await self._submit(request, name, body, with_ttl=False)
         except VegaError as error:
             # not_ready here is the job store away, for every process alike: the inline
             # refusal stands, not a 503 that Nginx would count against this process.
@@ -106,7 +112,7 @@ class JobsApi:
         return reply
 
     async def _submit(self, request: Request, name: str, body: bytes,
-                      with_ttl: bool) -> tuple[Reply, int]:
+                      with_ttl: bool) -> Reply:
         runtime = self.runtime
         runtime.check_open()
         served = runtime.served(name)
@@ -119,6 +125,7 @@ class JobsApi:
         ttl_s = self._ttl_s(doc.pop("ttl_s", None) if with_ttl and isinstance(doc, dict)
                             else None)
         instances, single, priority, _deadline = parse_infer_body(doc, request, self.settings)
+        request.scope["vega.priority"] = priority
         decode_all(served.adapter, instances)  # the model's own check, as /v1/infer makes it
         now_ms = wall_ms()
         job = Job(id=new_id(), model=served.adapter.name, instances=orjson.dumps(instances),
@@ -139,7 +146,7 @@ class JobsApi:
         if not submitted.created:
             headers["Idempotent-Replayed"] = "true"
         doc_out = {"id": submitted.id, "status": submitted.status}
-        return Reply(202, orjson.dumps(doc_out), headers, "job"), priority
+        return Reply(202, orjson.dumps(doc_out), headers, "job")
 
     def _ttl_s(self, value: Any) -> float:
         s = self.settings
