@@ -16,6 +16,7 @@ import asyncio
 import functools
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,8 +98,6 @@ class Batcher(Queues):
         self._running = False  # while run() is looping
         self._inflight = Inflight(config.parallelism)
         self._swept_at, self._next_last_call = -math.inf, math.inf  # see _last_calls
-        self.padded_steps = 0  # padding run through the model so far, in timesteps
-        self.batch_steps = 0  # every timestep run, padding included
 
     def with_config(self, config: BatcherConfig) -> Batcher:
         return Batcher(config, self._sink, self._on_batch_done)
@@ -148,6 +147,7 @@ class Batcher(Queues):
     def enqueue(self, item: Item) -> None:
         """Queue an admitted item; its future is answered exactly once from here on."""
         item.enqueued_at = asyncio.get_running_loop().time()
+        item.queued_pc = time.perf_counter()
         queue = self._queues[item.bucket][item.priority]
         if not queue and item.priority != JOB:  # a new head: its last call may come first
             last_call = item.deadline - self._last_call_lead(item.bucket)
@@ -381,7 +381,7 @@ class Batcher(Queues):
                     if not item.live:
                         continue
                     self._count(item, -1)
-                    item.dispatched_at = now
+                    item.queue_s = time.perf_counter() - item.queued_pc
                     refusal = self._refuse_at_dispatch(item, finish, now, behind)
                     if refusal is not None:
                         item.future.set_exception(refusal)
@@ -437,8 +437,6 @@ class Batcher(Queues):
         """The batch ended (its runner says so first; else its future's callback does):
         measured if it ran, and its thread freed."""
         if batch in self._inflight and batch.infer_s > 0:
-            self.batch_steps += batch.steps
-            self.padded_steps += batch.padded_steps
             self.times.observe(batch.bucket, batch.size, batch.infer_s)
             self.fit_interval(batch.infer_s)
             self.rate.observe(batch.size, sum(item.cost for item in batch.items), batch.infer_s)

@@ -72,7 +72,7 @@ class Reporter:
                 "peer_threads_lent": self.rt.lent(name),
                 "refused_while_peers_had_room": served.admission.refused_with_room,
                 "length_buckets": list(b.config.buckets),
-                "padding_share": round(b.padded_steps / b.batch_steps, 4) if b.batch_steps else 0.0,
+                "padding_share": self.padding_share(name),
                 "queue_age_ms": {p: round(1000 * age, 1)
                                  for p, age in self.queue_ages(served).items()},
                 "jobs": self.rt.jobs.status(name),
@@ -89,6 +89,13 @@ class Reporter:
                 "redis_up": self.rt.streams is not None and self.rt.streams.up,
                 "peers": self.rt.streams.peers if self.rt.streams is not None else [],
                 "fallback_model": self.rt.fallback_model, "capacity": self.rt.capacity.view()}
+
+    def padding_share(self, model: str) -> float:
+        """Of the timesteps run through ``model`` so far, the share that was padding (the
+        counters /metrics exports)."""
+        metrics = self.rt.metrics
+        steps = metrics.batch_steps.labels(model).value
+        return round(metrics.padded_steps.labels(model).value / steps, 4) if steps else 0.0
 
     def queue_ages(self, served: Served) -> dict[str, float]:
         now = asyncio.get_running_loop().time()
