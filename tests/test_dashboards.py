@@ -19,7 +19,7 @@ import pytest
 
 from tests.infra import require
 from tests.models import window
-from tests.servers import ROOT, VegaProcess, free_port, wait_until
+from tests.servers import ROOT, VegaProcess, free_port, metric, wait_until
 from vega.metrics import LATENCY_BUCKETS, Metrics
 
 pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
@@ -199,6 +199,19 @@ def test_dashboard_and_rules_name_only_metrics_that_exist() -> None:
     sources = "".join(path.read_text() for path in (ROOT / "vega").rglob("*.py"))
     events = set(re.findall(r'event="(\w+)"', text))
     assert events and not [e for e in events if f'labels("{e}")' not in sources], events
+
+
+def test_latency_and_queue_wait_are_finer_than_the_loops_millisecond_clock(
+        vega: Callable[..., VegaProcess]) -> None:
+    # uvloop's loop.time() is whole milliseconds: timed by it, the histograms' first
+    # buckets (0.5 and 1 ms) could not be told apart and each sum was whole ms.
+    server = vega(VEGA_MODEL="python:tests.models:echo", VEGA_LENGTH_BUCKETS="16")
+    body = orjson.dumps({"inputs": window(4)})
+    for _ in range(5):
+        assert httpx.post(server.url + "/v1/infer", content=body, timeout=10).status_code == 200
+    for name in ("vega_request_seconds_sum", "vega_queue_wait_seconds_sum"):
+        ms = 1000 * metric(server, name, model="echo")
+        assert ms > 0 and abs(ms - round(ms)) > 1e-6, (name, ms)
 
 
 # -- a real Prometheus scraping a real server ----------------------------------------

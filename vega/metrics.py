@@ -182,7 +182,7 @@ class Metrics:
             self.inference.labels(model).observe(batch.infer_s)
         wait = self.queue_wait.labels(model)
         for item in batch.items:
-            wait.observe(max(0.0, item.dispatched_at - item.enqueued_at))
+            wait.observe(item.queue_s)
 
     def set_queue(self, model: str, depths: list[int], rate: float) -> None:
         for name, depth in zip(PRIORITY_NAMES, depths):

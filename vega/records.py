@@ -43,7 +43,9 @@ class Item:
     deadline: float
     future: asyncio.Future[Any]
     enqueued_at: float = 0.0
-    dispatched_at: float = 0.0
+    # Its queue wait, by time.perf_counter(): the loop's clock is whole ms on uvloop.
+    queued_pc: float = 0.0
+    queue_s: float = 0.0
     counted: bool = False  # in its batcher's queue counts (a clock may read 0.0)
     infer_s: float = 0.0  # forward time of the batch that answered it
     bucket: int = 0  # index into the model's length buckets

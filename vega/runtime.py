@@ -420,7 +420,7 @@ async def _await_items(items: list[Item], deadline: float) -> Answer:
         outputs, queue_s, infer_s = [], 0.0, 0.0
         for item in items:
             outputs.append(item.future.result())
-            queue_s = max(queue_s, item.dispatched_at - item.enqueued_at)
+            queue_s = max(queue_s, item.queue_s)
             infer_s = max(infer_s, item.infer_s)
         return Answer(outputs=outputs, queue_s=queue_s, infer_s=infer_s)
     finally:

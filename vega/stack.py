@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -142,12 +143,13 @@ class Guard:
         self.body_wait_s = runtime.settings.max_deadline_ms / 1000
 
     async def __call__(self, request: Request) -> Sent:
+        began = time.perf_counter()
         started = asyncio.get_running_loop().time()
         reply, model, priority = await self.reply(request, started)  # the body goes with its frame
         outcome = reply.outcome
         if outcome == "ok" and (gone := request.scope.get("vega.gone")) is not None and gone():
             outcome = "disconnected"  # its batch ran, then nobody took the answer
-        hold = counted(self.runtime, model, priority, outcome, started)
+        hold = counted(self.runtime, model, priority, outcome, began)
         if hold > 0:
             await asyncio.sleep(min(hold, self._left_s(request, started)))
         return Sent(reply)
@@ -249,29 +251,31 @@ class Guard:
 
 
 async def conclude(runtime: Runtime, model: str, priority: int, outcome: str,
-                   started: float) -> None:
-    """Count one answer (a 200 with its time since ``started``), then hold it if it is a
+                   began: float) -> None:
+    """Count one answer (a 200 with its time since ``began``), then hold it if it is a
     refusal past VEGA_REFUSAL_RATE, until its turn (vega/pressure/pacing.py).
 
     Called once the frame that read and parsed the request has returned, so a held
     refusal keeps nothing of its request alive (under a flood hundreds are held at
     once, and their parsed bodies would be rescanned by every garbage collection).
     """
-    hold = counted(runtime, model, priority, outcome, started)
+    hold = counted(runtime, model, priority, outcome, began)
     if hold > 0:
         await asyncio.sleep(hold)
 
 
 def counted(runtime: Runtime, model: str, priority: int, outcome: str,
-            started: float) -> float:
+            began: float) -> float:
     """``conclude`` without the wait: count the answer, return how long to hold it
-    (0 for all but a refusal past VEGA_REFUSAL_RATE). The hot path awaits only then."""
+    (0 for all but a refusal past VEGA_REFUSAL_RATE). The hot path awaits only then.
+    ``began``: ``time.perf_counter()`` as the request came in (the loop's clock is whole
+    milliseconds on uvloop, too coarse for the latency histogram's first buckets)."""
     metrics = runtime.metrics
     if model not in runtime.models and model not in runtime.executor.models:  # warming up
         model = "_unknown"  # a name no model has: one label for all, not one per name
     now = asyncio.get_running_loop().time()
     metrics.answered(model, PRIORITY_NAMES[priority], outcome, outcome in REFUSALS,
-                     now - started if outcome == "ok" else None)
+                     time.perf_counter() - began if outcome == "ok" else None)
     hold = runtime.pacer.hold(outcome, now)
     if hold > 0:
         metrics.paced.labels(model).inc()

@@ -164,7 +164,7 @@ class Thief:
         now = loop.time()
         items = [Item(model=model, sample=sample, length=length, priority=NORMAL,
                       deadline=now + remaining_ms / 1000, future=loop.create_future(),
-                      enqueued_at=now, dispatched_at=now, bucket=bucket)
+                      enqueued_at=now, bucket=bucket)
                  for sample, length in zip(entry.samples, entry.lengths)]
         pad = self.models[model][1].config.pad  # a compiled model's rounding, as its origin's
         batch = Batch(model=model, bucket=bucket, items=items, formed_at=now,

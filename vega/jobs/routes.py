@@ -8,8 +8,8 @@ asked.
 
 from __future__ import annotations
 
-import asyncio
 import math
+import time
 from typing import Any
 
 import orjson
@@ -70,7 +70,7 @@ class JobsApi:
             return error_response(internal_error(request))
 
     async def submit(self, request: Request) -> Response:
-        started = asyncio.get_running_loop().time()
+        began = time.perf_counter()
         name = request.path_params.get("name") or self.runtime.default_model
         try:
             body = await read_body(request, self.settings.max_body_bytes,
@@ -88,7 +88,7 @@ class JobsApi:
         if priority is None:
             named = named_priority(request.headers.get("x-vega-priority"))
             priority = NORMAL if named is None else named
-        await conclude(self.runtime, name, priority, reply.outcome, started)
+        await conclude(self.runtime, name, priority, reply.outcome, began)
         return Response(reply.body, reply.status, headers=reply.headers, media_type=JSON)
 
     def wants(self, request: Request) -> bool:
