@@ -51,7 +51,8 @@ class Metrics:
         self.batch_steps = LoopCounter("vega_batch_steps_total",
                                        "Timesteps run through the model, padding included",
                                        ["model"], r)
-        self.inference = LoopHistogram("vega_inference_seconds", "Forward pass time per batch",
+        self.inference = LoopHistogram("vega_inference_seconds", "Forward pass time per batch "
+                                       "that ran (a failed one is in vega_batch_size only)",
                                        ["model"], r, LATENCY_BUCKETS)
 
         self.paced = Counter("vega_refusals_paced_total",
