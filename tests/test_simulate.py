@@ -113,10 +113,11 @@ def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
     doc = profile.measure(settings, sizes=[1, 4], repeats=2, buckets=[16])
     # Loading runs a window alone and batched with a longer one (one row per step? does
     # the answer move?) and, as the test model's does (it answers its batch size), alone
-    # padded; then an untimed pass over the four shapes, then each timed pass over all of
-    # them, the second in reverse: a drifting machine moves every shape alike.
+    # padded, then a 1-step window alone; then an untimed pass over the four shapes, then
+    # each timed pass over all of them, the second in reverse: a drifting machine moves
+    # every shape alike.
     assert forwards.read_text().split() == \
-        ["1", "2", "1"] + ["1", "4", "1", "4"] * 2 + ["4", "1", "4", "1"]
+        ["1", "2", "1", "1"] + ["1", "4", "1", "4"] * 2 + ["4", "1", "4", "1"]
     assert doc["buckets"] == [16, 512]
     assert doc["sizes"] == [1, 4]
     for bound in ("16", "512"):

@@ -163,7 +163,7 @@ class SequenceModel:
         """Warn when a one-step window, which is accepted, fails alone: its callers get 500s,
         and batched with longer windows it is run on their padding instead."""
         try:
-            self._forward([self.example(1)], 1)
+            self.run([self.example(1)], 1)  # as served: a compiled package pads it first
         except Exception as error:
             log.warning("model %r: a 1-step window fails alone (%s: %s), though windows of "
                         "1..%d steps are accepted: such requests get 500 model_error, or an "
