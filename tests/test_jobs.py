@@ -63,13 +63,16 @@ async def test_a_refused_submit_is_counted_under_the_class_it_named() -> None:
         headed = await client.post("/v1/jobs", content=b"{not json",
                                    headers={"X-Vega-Priority": "sheddable"})
         plain = await client.post("/v1/jobs", content=b"{not json")
-        assert [r.status_code for r in (named, headed, plain)] == [422, 400, 400]
+        early = await client.post("/v1/models/nope/jobs", content=orjson.dumps(
+            {"inputs": window(4), "priority": "critical"}))  # refused before the parse
+        assert [r.status_code for r in (named, headed, plain, early)] == [422, 400, 400, 404]
         counted = {(sample.labels["priority"], sample.labels["outcome"]): sample.value
                    for metric in runtime.metrics.requests.collect()
                    for sample in metric.samples if sample.name.endswith("_total")}
         assert counted[("critical", "invalid_input")] == 1
         assert counted[("sheddable", "invalid_json")] == 1
         assert counted[("normal", "invalid_json")] == 1
+        assert counted[("critical", early.json()["error"]["code"])] == 1
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -516,6 +519,20 @@ async def test_a_submit_whose_answer_timed_out_is_withdrawn_unless_a_runner_has_
         assert len(tries) == 2
         assert await store.get("w", job.id) is None
         assert await store.cmd.xlen(jobs_key("w")) == 0
+        # With an Idempotency-Key it stays: the caller's retry with that key (here or on a
+        # peer, perhaps answered 202 already) gets this job, which a late withdrawal would
+        # have deleted under it.
+        tries.clear()
+        job = Job(id=new_id(), model="k", instances=b"[[[1.0]]]", single=True, priority=0,
+                  created_ms=now, expires_ms=now + 60_000)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await store.submit(job, "k-2", "p", 100)
+        assert len(tries) == 1 and not store._withdrawing
+        store._scripts["submit"] = script
+        retry = Job(id=new_id(), model="k", instances=b"[[[1.0]]]", single=True, priority=0,
+                    created_ms=now, expires_ms=now + 60_000)
+        assert await store.submit(retry, "k-2", "p", 100) == Submitted(job.id, "queued", False)
+        assert await store.cmd.xlen(jobs_key("k")) == 1
     finally:
         await store.close()
         server.stop()

@@ -66,7 +66,7 @@ class RedisStore:
         self.reader = connect(url, blocking_timeout_s(timeout_s))  # blocking reads only
         self.result_ttl_ms = int(1000 * result_ttl_s)
         self.dlq_maxlen = dlq_maxlen
-        self._withdrawing: set[asyncio.Task[None]] = set()
+        self._withdrawing: dict[asyncio.Task[None], str] = {}  # -> the job's id
         self._scripts = {name: self.cmd.register_script(text) for name, text in (
             ("submit", lua.SUBMIT), ("start", lua.START), ("finish", lua.FINISH),
             ("retry", lua.RETRY), ("cancel", lua.CANCEL), ("forget", lua.FORGET),
@@ -108,8 +108,8 @@ class RedisStore:
             tag = f"{print_}|{job.id}" if key is not None else ""
             try:
                 withdrawn = await self._withdraw(keys, ttl_ms, tag)
-            except (rexc.RedisError, OSError):  # still a 503: withdrawn in the background
-                self._withdraw_later(job.id, keys, ttl_ms, tag)
+            except (rexc.RedisError, OSError):  # still a 503
+                self._unsettled(job.id, keys, ttl_ms, tag)
                 raise
             if withdrawn:
                 raise
@@ -141,10 +141,16 @@ class RedisStore:
                                                  client=self.cmd)
         return status in (b"withdrawn", "withdrawn")
 
-    def _withdraw_later(self, job_id: str, keys: list[str], ttl_ms: int, tag: str) -> None:
-        """Keep withdrawing a submit whose caller got 503 when the first withdrawal failed
-        too: left in the stream, it would run though its caller was told it was not taken
-        (and, without an Idempotency-Key, run again as the retry's job)."""
+    def _unsettled(self, job_id: str, keys: list[str], ttl_ms: int, tag: str) -> None:
+        """A submit answered 503 whose withdrawal failed too. With an Idempotency-Key it
+        stays: the retry with that key, here or on a peer, may already have been answered
+        202 for it. Without one, nothing else can name it, and left in the stream it would
+        run beside the retry's job: it is withdrawn in the background."""
+        if tag:
+            log.warning("job %s: its submit timed out and could not be withdrawn; it is "
+                        "kept for a retry with the same Idempotency-Key", job_id)
+            return
+
         async def keep_trying() -> None:
             for wait_s in WITHDRAW_RETRY_S:
                 await asyncio.sleep(wait_s)
@@ -160,8 +166,8 @@ class RedisStore:
                       "withdraw it; it may run, though its caller got 503", job_id)
 
         task = asyncio.get_running_loop().create_task(keep_trying())
-        self._withdrawing.add(task)
-        task.add_done_callback(self._withdrawing.discard)
+        self._withdrawing[task] = job_id
+        task.add_done_callback(self._withdrawing.pop)
 
     async def get(self, model: str, job_id: str) -> Job | None:
         raw: Any = await self.cmd.hgetall(job_key(model, job_id))
@@ -294,8 +300,13 @@ class RedisStore:
     async def close(self) -> None:
         if self._withdrawing:  # a moment for a withdrawal under way, not its whole backoff
             await asyncio.wait(list(self._withdrawing), timeout=1.0)
-            for task in self._withdrawing:
+            for task, job_id in list(self._withdrawing.items()):
+                if task.done():
+                    continue
+                log.error("job %s: stopping before its timed-out submit could be withdrawn; "
+                          "it may run, though its caller got 503", job_id)
                 task.cancel()
+            await asyncio.gather(*self._withdrawing, return_exceptions=True)
         await self.cmd.aclose()
         await self.reader.aclose()
 

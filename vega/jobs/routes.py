@@ -27,6 +27,7 @@ from vega.httpio import (
     named_priority,
     parse_json,
     read_body,
+    scanned_priority,
 )
 from vega.jobs.runner import STORE_ERRORS
 from vega.jobs.store import CANCELLED, QUEUED, Job, new_id, valid_id, wall_ms
@@ -72,6 +73,7 @@ class JobsApi:
     async def submit(self, request: Request) -> Response:
         began = time.perf_counter()
         name = request.path_params.get("name") or self.runtime.default_model
+        body = b""
         try:
             body = await read_body(request, self.settings.max_body_bytes,
                                    self.settings.jobs_max_ttl_s)  # no job runs after it
@@ -83,10 +85,11 @@ class JobsApi:
         except Exception:
             reply = Reply.from_error(internal_error(request))
         # Counted under the class the body named, else the header's, refusals too (the
-        # VegaCriticalRefused alert reads them).
+        # VegaCriticalRefused alert reads them): parsed, else scanned as the Guard does.
         priority = request.scope.get("vega.priority")
         if priority is None:
-            named = named_priority(request.headers.get("x-vega-priority"))
+            header = request.headers.get("x-vega-priority")
+            named = scanned_priority(body, header) if body else named_priority(header)
             priority = NORMAL if named is None else named
         await conclude(self.runtime, name, priority, reply.outcome, began)
         return Response(reply.body, reply.status, headers=reply.headers, media_type=JSON)
