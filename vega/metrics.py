@@ -52,7 +52,7 @@ class Metrics:
                                        "Timesteps run through the model, padding included",
                                        ["model"], r)
         self.inference = LoopHistogram("vega_inference_seconds", "Forward pass time per batch "
-                                       "that ran (a failed one is in vega_batch_size only)",
+                                       "that ran (a failed one is not timed here)",
                                        ["model"], r, LATENCY_BUCKETS)
 
         self.paced = Counter("vega_refusals_paced_total",
