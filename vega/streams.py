@@ -23,7 +23,7 @@ from typing import Any
 
 from redis import exceptions as rexc
 
-from vega.channel.client import CONNECTION_ERRORS, StallCheck, leave_group, probe, said
+from vega.channel.client import CONNECTION_ERRORS, Client, StallCheck, leave_group, probe, said
 from vega.channel.handoff import DELETE_UNLESS_DELIVERED, Handoff
 from vega.channel.keys import (
     BLOCK_MS,
@@ -65,22 +65,13 @@ class Streams:
         self.link = link = Link(settings, node, metrics, models, run_local, runnable)
         link.on_error, link.take_back = self.redis_error, self._take_back
         link.reposted = self._reposted
-        self.settings = settings
-        self.node = node
-        self.metrics = metrics
-        self.models = link.models
-        self.run_local = run_local
-        self.cmd = link.cmd
-        self.up_event = link.up_event
-        self.counts = link.counts
         self._boot = os.urandom(4).hex()
-        self.timeout_s = link.timeout_s
         self._margin_s = settings.deadline_margin_ms / 1000
         self._pending: dict[str, Handoff] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
         self._connecting: asyncio.Task[None] | None = None
-        self._timeouts = StallCheck(lambda: probe(self.cmd), self._lost,
+        self._timeouts = StallCheck(lambda: probe(self.link.cmd), self._lost,
                                     metrics.overflow_events.labels("stalled").inc, self._spawn)
         self._reply_from = "$"
         self.rtt_s = 0.005  # replaced by measurements
@@ -94,6 +85,20 @@ class Streams:
     @property
     def up(self) -> bool:
         return self.link.up
+
+    # Read-only views of the link's own: /v1/status reads the counts; tests and
+    # scripts/bench-steal-latency reach Redis and the counters through these.
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.link.counts
+
+    @property
+    def cmd(self) -> Client:
+        return self.link.cmd
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.link.metrics
 
     @property
     def stealing(self) -> bool:
@@ -129,7 +134,7 @@ class Streams:
         loops: list[tuple[str, Awaitable[None]]] = [
             ("replies", self._reply_loop()), ("reclaim", self.thief.reclaim_loop()),
             ("heartbeat", self.heart.loop())]
-        loops += [(f"steal-{m}", self.thief.steal_loop(m)) for m in self.models]
+        loops += [(f"steal-{m}", self.thief.steal_loop(m)) for m in self.link.models]
         for name, loop in loops:
             task = asyncio.ensure_future(loop)
             task.set_name(f"streams-{name}")
@@ -146,14 +151,14 @@ class Streams:
             tasks.append(self._connecting)
         # Shutdown, not the hot path: dropping a blocked read is fine. Bounded: a stuck
         # close must not keep the process from exiting.
-        stuck = await stop_tasks(tasks, timeout_s=blocking_timeout_s(self.timeout_s) + 1)
+        stuck = await stop_tasks(tasks, timeout_s=blocking_timeout_s(self.link.timeout_s) + 1)
         if stuck:
             log.warning("%d overflow task(s) did not stop in time", len(stuck))
         elif self.up:
-            for model in self.models:
-                await leave_group(self.cmd, overflow_key(model), GROUP, self.node)
+            for model in self.link.models:
+                await leave_group(self.link.cmd, overflow_key(model), GROUP, self.link.node)
         await self.heart.leave()
-        await self.cmd.aclose()
+        await self.link.cmd.aclose()
 
     def _spawn(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(work)
@@ -169,8 +174,8 @@ class Streams:
         if not self.up:
             return
         log.warning("redis unreachable (%s): serving locally, reconnecting", said(error))
-        self.up_event.clear()
-        self.metrics.redis_up.set(0)
+        self.link.up_event.clear()
+        self.link.metrics.redis_up.set(0)
         self.heart.forget()  # no beat can be read: none is believed alive
         for key in list(self._pending):
             self._take_back(key, "redis_down")
@@ -185,9 +190,9 @@ class Streams:
         self.rtt_s, server_ms = await self.link.reach()
         if self._reply_from == "$":  # replies from now on, even before the reader reads
             self._reply_from = f"{server_ms}-0"
-        log.info("redis up: overflow on for %s", ", ".join(self.models))
-        self.metrics.redis_up.set(1)
-        self.up_event.set()
+        log.info("redis up: overflow on for %s", ", ".join(self.link.models))
+        self.link.metrics.redis_up.set(1)
+        self.link.up_event.set()
 
     # -- the origin: hand off, replies, take back ----------------------------------
 
@@ -197,16 +202,16 @@ class Streams:
         # pass that check before any of them is pending here, and capacity counts those.
         if not self.worth_handing_off(batch, local_wait_s):
             return False
-        loop = asyncio.get_running_loop()
+        link, loop = self.link, asyncio.get_running_loop()
         now = loop.time()
-        batcher = self.models[batch.model][1]
+        batcher = link.models[batch.model][1]
         run_s = batcher.times.predict(batch.bucket, batch.size)
-        key = f"{self.node}.{self._boot}.{batch.id}"
+        key = f"{link.node}.{self._boot}.{batch.id}"
         lengths = tuple(item.length for item in batch.items)
         try:  # the longest length: a thief of the same model pads it as our batcher did
             fields = encode_overflow(Overflow(
-                origin=self.node, batch=key, model=batch.model,
-                identity=self.link.identities[batch.model],
+                origin=link.node, batch=key, model=batch.model,
+                identity=link.identities[batch.model],
                 deadline_ms=wall_ms() + int(1000 * (batch.deadline - now)), sent_ms=wall_ms(),
                 attempt=1, pad_to=max(lengths), lengths=lengths,
                 samples=tuple(item.sample for item in batch.items)))
@@ -223,9 +228,9 @@ class Streams:
         handoff.check_at = min(self._ask_by(handoff), now + local_wait_s + self.round_trip_s())
         handoff.timer = loop.call_at(handoff.check_at, self._unclaimed, key)
         try:
-            handoff.entry_id = await self.cmd.xadd(
+            handoff.entry_id = await link.cmd.xadd(
                 overflow_key(batch.model), fields,  # type: ignore[arg-type]
-                maxlen=self.settings.stream_maxlen, approximate=True)
+                maxlen=link.settings.stream_maxlen, approximate=True)
         except rexc.RedisError as error:
             handoff.timer.cancel()
             if self._pending.pop(key, None) is None:
@@ -234,25 +239,25 @@ class Streams:
                 self._spawn(self._forget(batch.model, key, None, batch.deadline))
             self.redis_error(error)
             return False
-        self.metrics.overflow.labels("out").inc()
-        self.counts["offered"] += 1
+        link.metrics.overflow.labels("out").inc()
+        link.counts["offered"] += 1
         if key not in self._pending:  # taken back while the XADD was on its way
             self._spawn(self._forget(batch.model, key, handoff.entry_id, batch.deadline))
         return True
 
     def worth_handing_off(self, batch: Batch, local_wait_s: float) -> bool:
         """Whether peers should be offered ``batch`` (a cheap check, no Redis round trip)."""
-        if not self.up or batch.model not in self.models:
+        if not self.up or batch.model not in self.link.models:
             return False
         # A peer can take it sooner when the wait here is longer than the round trip
         # (an idle peer has no queue of its own); each lent thread gets one batch to run
         # and one waiting in the stream, so it never idles between them.
         round_trip_s = self.round_trip_s()
-        if local_wait_s <= round_trip_s + self.settings.overflow_threshold_ms / 1000:
+        if local_wait_s <= round_trip_s + self.link.settings.overflow_threshold_ms / 1000:
             return False
         if not self.room(batch.model):
             return False
-        run_s = self.models[batch.model][1].times.predict(batch.bucket, batch.size)
+        run_s = self.link.models[batch.model][1].times.predict(batch.bucket, batch.size)
         remaining_s = batch.deadline - asyncio.get_running_loop().time()
         # Room for a remote attempt and, if that fails, a local one.
         return remaining_s > round_trip_s + 2 * run_s + 2 * self._margin_s + self._late_s()
@@ -288,7 +293,7 @@ class Streams:
         loop = asyncio.get_running_loop()
         asked_at = loop.time()
         try:  # one step on the server: no thief can read it between the check and the delete
-            claimed = await self.cmd.eval(DELETE_UNLESS_DELIVERED, 1, overflow_key(model),
+            claimed = await self.link.cmd.eval(DELETE_UNLESS_DELIVERED, 1, overflow_key(model),
                                           GROUP, handoff.entry_id)
         except rexc.RedisError as error:
             claimed = None  # not known: taken back (a peer that runs it is answered late)
@@ -310,7 +315,7 @@ class Streams:
         """Whether a peer is running batches of ours: one read and not yet answered, or one
         answered within a beat (its thief was between two of them, not busy)."""
         since_s = asyncio.get_running_loop().time() - self._answered_at
-        return since_s < self.settings.heartbeat_ms / 1000 or \
+        return since_s < self.link.settings.heartbeat_ms / 1000 or \
             any(handoff.read for handoff in self._pending.values())
 
     def _reposted(self, key: str, entry_id: Any) -> None:
@@ -335,14 +340,14 @@ class Streams:
         if handoff.timer is not None:
             handoff.timer.cancel()
         batch = handoff.batch
-        self.metrics.overflow_events.labels("taken_back").inc()
-        self.counts["taken_back"] += 1
+        self.link.metrics.overflow_events.labels("taken_back").inc()
+        self.link.counts["taken_back"] += 1
         log.debug("batch %s taken back (%s)", key, why)
         if self.up:  # before its XADD returns too: a thief checks the done key first
             self._spawn(self._forget(batch.model, key, handoff.entry_id, batch.deadline))
         if not any(item.live for item in batch.items):
             return
-        batcher = self.models[batch.model][1]
+        batcher = self.link.models[batch.model][1]
         # Dispatched again, as the batcher dispatches (rule 1): the items a run here can no
         # longer answer in time fail, the rest run (the timer left a margin for its lateness).
         now = asyncio.get_running_loop().time()
@@ -352,14 +357,14 @@ class Streams:
         if batch.items:
             # Our work again: the batcher counts it, or our idle thief would read the next
             # batch we hand off straight back too, and peers would idle.
-            batcher.hold(batch, self._spawn(self.run_local(batch)))
+            batcher.hold(batch, self._spawn(self.link.run_local(batch)))
 
     async def _forget(self, model: str, key: str, entry_id: Any, deadline: float) -> None:
         """Tell peers the batch is answered: a thief or a reclaimer will not run it."""
         ttl_ms = self.link.done_ttl_ms(deadline - asyncio.get_running_loop().time())
         try:
-            async with self.cmd.pipeline(transaction=True) as pipe:
-                pipe.set(done_key(model, key), self.node, nx=True, px=ttl_ms)
+            async with self.link.cmd.pipeline(transaction=True) as pipe:
+                pipe.set(done_key(model, key), self.link.node, nx=True, px=ttl_ms)
                 if entry_id is not None:
                     pipe.xdel(overflow_key(model), entry_id)
                 await pipe.execute()
@@ -368,11 +373,11 @@ class Streams:
 
     async def _reply_loop(self) -> None:
         """One task, one connection: XREAD BLOCK on our reply stream (rule 8)."""
-        client = self.link.client(blocking_timeout_s(self.timeout_s))
-        key = reply_key(self.node)
+        client = self.link.client(blocking_timeout_s(self.link.timeout_s))
+        key = reply_key(self.link.node)
         try:
             while True:
-                await self.up_event.wait()
+                await self.link.up_event.wait()
                 try:
                     got: Any = await client.xread({key: self._reply_from}, count=64,
                                                   block=BLOCK_MS)
@@ -387,7 +392,7 @@ class Streams:
                         try:
                             self._on_reply(fields)
                         except Exception:  # rule 6: no entry ends the only reply reader
-                            self.metrics.overflow_events.labels("malformed").inc()
+                            self.link.metrics.overflow_events.labels("malformed").inc()
                             log.exception("reply %r dropped", entry_id)
         finally:
             await client.aclose()
@@ -396,21 +401,21 @@ class Streams:
         try:
             key = batch_of(fields)
         except WireError as error:
-            self.metrics.overflow_events.labels("malformed").inc()
+            self.link.metrics.overflow_events.labels("malformed").inc()
             log.warning("malformed reply dropped: %s", error)
             return
         handoff = self._pending.get(key)
         if handoff is None:  # answered already (taken back, or a second run's reply)
-            self.metrics.overflow_events.labels("late_reply").inc()
+            self.link.metrics.overflow_events.labels("late_reply").inc()
             return
         try:
             reply = decode_reply(fields, handoff.batch.size, REPLY_CODES)
         except WireError as error:
-            self.metrics.overflow_events.labels("malformed").inc()
+            self.link.metrics.overflow_events.labels("malformed").inc()
             log.warning("malformed reply for %s dropped: %s", key, error)
             return
         if reply.error_code == "declined":
-            self.metrics.overflow_events.labels("declined").inc()
+            self.link.metrics.overflow_events.labels("declined").inc()
             self.heart.doubt(reply.node)
             self._take_back(key, "declined")
             return
@@ -439,7 +444,7 @@ class Streams:
         self._answered_at = asyncio.get_running_loop().time()
         round_trip_s = self._answered_at - handoff.sent_at - infer_s
         self.rtt_s = 0.8 * self.rtt_s + 0.2 * max(0.0, round_trip_s)
-        self.metrics.steal_rtt.set(self.rtt_s)
+        self.link.metrics.steal_rtt.set(self.rtt_s)
 
     def redis_error(self, error: BaseException) -> None:
         if isinstance(error, rexc.TimeoutError):

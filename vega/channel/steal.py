@@ -54,11 +54,6 @@ class Thief:
 
     def __init__(self, link: Link) -> None:
         self.link = link
-        self.node = link.node
-        self.settings = link.settings
-        self.metrics = link.metrics
-        self.models = link.models
-        self._skew_ms = link.settings.clock_skew_ms
         self._running: set[Any] = set()  # ids of stolen entries running here
 
     async def steal_loop(self, model: str) -> None:
@@ -70,7 +65,7 @@ class Thief:
                 await self.link.up_event.wait()
                 await self._idle()
                 try:
-                    got: Any = await client.xreadgroup(GROUP, self.node, {key: ">"}, count=1,
+                    got: Any = await client.xreadgroup(GROUP, self.link.node, {key: ">"}, count=1,
                                                        block=BLOCK_MS)
                 except rexc.ResponseError as error:
                     await self._group_lost(model, error)
@@ -99,15 +94,15 @@ class Thief:
 
     def _idle_now(self) -> bool:
         return self.link.lending() and not any(b.depth() or b.inflight
-                                               for _, b in self.models.values())
+                                               for _, b in self.link.models.values())
 
     async def _idle(self) -> None:
         if not self.link.stealing:
             await asyncio.Event().wait()  # a draining process never steals again
         while not self.link.runnable():  # its model process is restarting
             await asyncio.sleep(BLOCK_MS / 1000)
-        while any(b.depth() or b.inflight for _, b in self.models.values()):
-            for _, batcher in self.models.values():
+        while any(b.depth() or b.inflight for _, b in self.link.models.values()):
+            for _, batcher in self.link.models.values():
                 await batcher.wait_idle()
 
     async def _guarded(self, work: Awaitable[None], model: str, entry_id: Any,
@@ -118,7 +113,7 @@ class Thief:
         except CONNECTION_ERRORS as error:
             self.link.redis_error(error)
         except WireError as error:
-            self.metrics.overflow_events.labels("malformed").inc()
+            self.link.metrics.overflow_events.labels("malformed").inc()
             log.warning("malformed overflow entry %r: %s", entry_id, error)
             await self._dead_letter(model, entry_id, fields, f"malformed: {error}")
         except Exception as error:
@@ -134,22 +129,22 @@ class Thief:
             return
         refused = self._refusal(model, entry)
         if refused:  # a well-formed batch this process cannot take: its origin runs it
-            await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (),
+            await self._reply(entry, entry_id, Reply(entry.batch, self.link.node, 0.0, (),
                                                      "declined", refused))
             return
-        remaining_ms = entry.deadline_ms - wall_ms() - self._skew_ms
-        batcher = self.models[model][1]
+        remaining_ms = entry.deadline_ms - wall_ms() - self.link.settings.clock_skew_ms
+        batcher = self.link.models[model][1]
         bucket = batcher.bucket_of(entry.pad_to)
         run_ms = 1000 * batcher.times.predict(bucket, len(entry.lengths))
-        if remaining_ms < run_ms + self.settings.deadline_margin_ms:
-            await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (),
+        if remaining_ms < run_ms + self.link.settings.deadline_margin_ms:
+            await self._reply(entry, entry_id, Reply(entry.batch, self.link.node, 0.0, (),
                                                      "declined", "cannot finish in time"))
             return
-        if entry.origin == self.node:  # our own batch, and we are idle: no round trip
+        if entry.origin == self.link.node:  # our own batch, and we are idle: no round trip
             await self._ack(model, entry_id)
             self.link.take_back(entry.batch, "idle again")
             return
-        self.metrics.overflow.labels("in").inc()
+        self.link.metrics.overflow.labels("in").inc()
         self.link.counts["taken"] += 1
         self._running.add(entry_id)
         try:
@@ -166,19 +161,19 @@ class Thief:
                       deadline=now + remaining_ms / 1000, future=loop.create_future(),
                       enqueued_at=now, bucket=bucket)
                  for sample, length in zip(entry.samples, entry.lengths)]
-        pad = self.models[model][1].config.pad  # a compiled model's rounding, as its origin's
+        pad = self.link.models[model][1].config.pad  # a compiled model's rounding, as its origin's
         batch = Batch(model=model, bucket=bucket, items=items, formed_at=now,
                       pad_to=entry.pad_to if pad is None else pad(entry.pad_to))
         await self.link.run_local(batch)
         error = next((item.future.exception() for item in items
                       if item.future.done() and item.future.exception() is not None), None)
         if isinstance(error, VegaError) and error.code in UNRUN:  # the origin runs it
-            reply = Reply(entry.batch, self.node, 0.0, (), "declined", error.message)
+            reply = Reply(entry.batch, self.link.node, 0.0, (), "declined", error.message)
         elif error is not None or not all(item.future.done() for item in items):
-            reply = Reply(entry.batch, self.node, 1000 * batch.infer_s, (), "model_error",
+            reply = Reply(entry.batch, self.link.node, 1000 * batch.infer_s, (), "model_error",
                           str(error or "no answer"))
         else:
-            reply = Reply(entry.batch, self.node, 1000 * batch.infer_s,
+            reply = Reply(entry.batch, self.link.node, 1000 * batch.infer_s,
                           tuple(item.future.result() for item in items))
         await self._reply(entry, entry_id, reply)
 
@@ -187,7 +182,7 @@ class Thief:
         limits of its own (a smaller VEGA_MAX_BATCH_SIZE, a sample its model refuses)."""
         if entry.identity != self.link.identities[model]:  # another deploy's model
             return "another version or weights"
-        adapter, batcher = self.models[model]
+        adapter, batcher = self.link.models[model]
         if len(entry.lengths) > batcher.config.max_batch_size:
             return (f"{len(entry.lengths)} items, more than VEGA_MAX_BATCH_SIZE here "
                     f"({batcher.config.max_batch_size})")
@@ -210,11 +205,11 @@ class Thief:
         ttl_ms = self.link.done_ttl_ms((entry.deadline_ms - wall_ms()) / 1000)
         async with self.link.cmd.pipeline(transaction=True) as pipe:
             pipe.xadd(reply_key(entry.origin), encode_reply(reply),  # type: ignore[arg-type]
-                      maxlen=self.settings.stream_maxlen, approximate=True)
+                      maxlen=self.link.settings.stream_maxlen, approximate=True)
             pipe.pexpire(reply_key(entry.origin), REPLY_TTL_MS)
             if self.link.sharded:
                 await pipe.execute()
-            pipe.set(done_key(entry.model, entry.batch), self.node, nx=True, px=ttl_ms)
+            pipe.set(done_key(entry.model, entry.batch), self.link.node, nx=True, px=ttl_ms)
             pipe.xack(overflow_key(entry.model), GROUP, entry_id)
             pipe.xdel(overflow_key(entry.model), entry_id)
             await pipe.execute()
@@ -227,14 +222,14 @@ class Thief:
 
     async def _dead_letter(self, model: str, entry_id: Any, fields: Any, reason: str) -> None:
         """Keep the entry for a person to look at, out of every reader's way."""
-        self.metrics.overflow_events.labels("dead_lettered").inc()
+        self.link.metrics.overflow_events.labels("dead_lettered").inc()
         kept: dict[Any, Any] = {b"kind": b"overflow", b"reason": reason[:500], b"entry": entry_id,
-                                b"by": self.node}
+                                b"by": self.link.node}
         if isinstance(fields, dict) and sum(len(k) + len(v) for k, v in fields.items()) < 1 << 20:
             kept.update({b"field:" + bytes(k)[:64]: v for k, v in fields.items()})
         try:
             async with self.link.cmd.pipeline(transaction=True) as pipe:
-                pipe.xadd(dlq_key(model), kept, maxlen=self.settings.stream_maxlen,
+                pipe.xadd(dlq_key(model), kept, maxlen=self.link.settings.stream_maxlen,
                           approximate=True)
                 pipe.xack(overflow_key(model), GROUP, entry_id)
                 pipe.xdel(overflow_key(model), entry_id)
@@ -246,9 +241,9 @@ class Thief:
 
     async def reclaim_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.claim_idle_ms / 2000)
+            await asyncio.sleep(self.link.settings.claim_idle_ms / 2000)
             await self.link.up_event.wait()
-            for model in self.models:
+            for model in self.link.models:
                 try:
                     await self._reclaim(model)
                 except rexc.RedisError as error:
@@ -258,7 +253,8 @@ class Thief:
 
     async def _reclaim(self, model: str) -> None:
         _next, entries, *_deleted = await self.link.cmd.xautoclaim(
-            overflow_key(model), GROUP, self.node, self.settings.claim_idle_ms, "0-0", count=16)
+            overflow_key(model), GROUP, self.link.node, self.link.settings.claim_idle_ms, "0-0",
+            count=16)
         for entry_id, fields in entries:
             # Our own entry, still running (a slow batch): claiming it again only reset its
             # idle time. A hung one is the origin's to time out.
@@ -270,18 +266,18 @@ class Thief:
         """Put a dead thief's batch back in the stream, once per attempt, then dead-letter it."""
         entry = decode_overflow(fields)
         if await self.link.cmd.exists(done_key(model, entry.batch)) or \
-                entry.deadline_ms - wall_ms() + self._skew_ms <= 0:
+                entry.deadline_ms - wall_ms() + self.link.settings.clock_skew_ms <= 0:
             await self._ack(model, entry_id)  # answered, or its origin has answered 504
-            self.metrics.overflow_events.labels("expired").inc()
+            self.link.metrics.overflow_events.labels("expired").inc()
             return
-        if entry.attempt >= self.settings.max_attempts:
+        if entry.attempt >= self.link.settings.max_attempts:
             await self._dead_letter(model, entry_id, fields,
                                     f"no answer after {entry.attempt} attempts")
             await self._reply(entry, entry_id, Reply(
-                entry.batch, self.node, 0.0, (), "dead_letter",
+                entry.batch, self.link.node, 0.0, (), "dead_letter",
                 f"batch lost on peers {entry.attempt} times; dead-lettered"))
             return
-        self.metrics.overflow_events.labels("reclaimed").inc()
+        self.link.metrics.overflow_events.labels("reclaimed").inc()
         await self._reinsert(model, entry_id,
                              encode_overflow(dataclasses.replace(entry, attempt=entry.attempt + 1)))
 
@@ -294,17 +290,17 @@ class Thief:
         # The schema check only (a hostile entry is dead-lettered): the samples are not
         # run here, so the model's check of each would be loop time for nothing.
         entry = decode_overflow(fields)
-        if entry.origin == self.node:
+        if entry.origin == self.link.node:
             self.link.reposted(entry.batch, await self._reinsert(model, entry_id, fields))
             return
-        await self._reply(entry, entry_id, Reply(entry.batch, self.node, 0.0, (), "declined",
+        await self._reply(entry, entry_id, Reply(entry.batch, self.link.node, 0.0, (), "declined",
                                                  "busy"))
 
     async def _reinsert(self, model: str, entry_id: Any, again: Any) -> Any:
         """Put an entry back under a new id (returned), and the old one away."""
         async with self.link.cmd.pipeline(transaction=True) as pipe:
             pipe.xadd(overflow_key(model), again,
-                      maxlen=self.settings.stream_maxlen, approximate=True)
+                      maxlen=self.link.settings.stream_maxlen, approximate=True)
             pipe.xack(overflow_key(model), GROUP, entry_id)
             pipe.xdel(overflow_key(model), entry_id)
             new_id, *_ = await pipe.execute()
