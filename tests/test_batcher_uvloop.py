@@ -45,7 +45,7 @@ async def _formed_or_handled_first() -> list[str]:
     reader, writer = socket.socketpair()
     try:
         await asyncio.sleep(0)  # the batcher is waiting for work
-        item = Item(model="m", sample=None, length=10, priority=NORMAL,
+        item = Item(sample=None, length=10, priority=NORMAL,
                     deadline=loop.time() + 10, future=loop.create_future())
         batcher.enqueue(item)  # due by its wait at WAIT_S from now
 

@@ -185,7 +185,7 @@ def echo_batch(model: SequenceModel, first: float = 0.5, size: int = 1) -> Batch
     loop = asyncio.get_running_loop()
     rows = window(4)
     rows[0][0] = first
-    items = [Item(model="echo", sample=model.decode(rows)[0], length=4, priority=1,
+    items = [Item(sample=model.decode(rows)[0], length=4, priority=1,
                   deadline=loop.time() + 60, future=loop.create_future()) for _ in range(size)]
     return Batch(model="echo", bucket=0, items=items, formed_at=loop.time(), pad_to=4)
 
@@ -288,7 +288,7 @@ def test_an_answer_too_large_for_the_slot_crosses_whole_in_a_model_process() -> 
 
     async def run() -> list[Item]:
         loop = asyncio.get_running_loop()
-        items = [Item(model="steps", sample=model.decode(r)[0], length=512, priority=1,
+        items = [Item(sample=model.decode(r)[0], length=512, priority=1,
                       deadline=loop.time() + 60, future=loop.create_future()) for r in rows]
         await executor.run(Batch(model="steps", bucket=0, items=items, formed_at=loop.time(),
                                  pad_to=512))

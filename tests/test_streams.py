@@ -224,7 +224,7 @@ async def ghost_peer_only(runtime: Runtime) -> Streams:
 def one_window_batch(runtime: Runtime, deadline_s: float) -> tuple[Batch, Item]:
     loop = asyncio.get_running_loop()
     sample, length = runtime.models["echo"].adapter.decode(window(2, 1.0))
-    item = Item(model="echo", sample=sample, length=length, priority=CRITICAL,
+    item = Item(sample=sample, length=length, priority=CRITICAL,
                 deadline=loop.time() + deadline_s, future=loop.create_future())
     return Batch(model="echo", bucket=0, items=[item], formed_at=loop.time(), pad_to=2), item
 

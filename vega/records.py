@@ -36,7 +36,6 @@ class Item:
     Times are the event loop's monotonic clock, in seconds.
     """
 
-    model: str
     sample: Any  # what the model adapter's decode() returned
     length: int
     priority: int

@@ -291,7 +291,7 @@ class Runtime:
         items = []
         for (sample, length), cost in zip(decoded, costs):
             bucket = batcher.bucket_of(length)
-            items.append(Item(model=served.adapter.name, sample=sample, length=length,
+            items.append(Item(sample=sample, length=length,
                               priority=priority, deadline=deadline, future=loop.create_future(),
                               bucket=bucket, cost=cost, gone=gone))
         self._opened()

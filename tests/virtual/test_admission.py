@@ -35,7 +35,7 @@ def make(capacity: int = 10, rate_limit: float = 0.0, burst: float = 0.0,
 def fill(batcher: Batcher, count: int, priority: int = NORMAL, bucket: int = 0) -> None:
     loop = asyncio.get_running_loop()
     for _ in range(count):
-        batcher.enqueue(Item(model="m", sample=None, length=1, priority=priority,
+        batcher.enqueue(Item(sample=None, length=1, priority=priority,
                              deadline=loop.time() + 60, future=loop.create_future(),
                              bucket=bucket, cost=batcher.item_cost(bucket)))
 

@@ -72,7 +72,7 @@ async def request(admission: Admission, batcher: Batcher, length: int,
         costs = admission.admit(NORMAL, [bucket], now + deadline_s, now)
     except VegaError as error:
         return error.code
-    item = Item(model="m", sample=None, length=length, priority=NORMAL,
+    item = Item(sample=None, length=length, priority=NORMAL,
                 deadline=now + deadline_s, future=loop.create_future(), bucket=bucket,
                 cost=costs[0])
     batcher.enqueue(item)
@@ -142,7 +142,7 @@ async def requests(admission: Admission, batcher: Batcher, count: int, length: i
         costs = admission.admit(NORMAL, [bucket] * count, now + deadline_s, now)
     except VegaError as error:
         return f"refused at admission: {error.code}"
-    items = [Item(model="m", sample=None, length=length, priority=NORMAL,
+    items = [Item(sample=None, length=length, priority=NORMAL,
                   deadline=now + deadline_s, future=loop.create_future(), bucket=bucket,
                   cost=cost) for cost in costs]
     for item in items:
@@ -181,7 +181,7 @@ async def test_capacity_counts_queued_work_in_executor_seconds() -> None:
         batcher.times.observe(0, size, size * 0.001)
         batcher.times.observe(1, size, size * 0.008)
     for _ in range(100):  # 100 long windows queued: 0.8 executor-seconds of work
-        batcher.enqueue(Item(model="m", sample=None, length=500, priority=NORMAL,
+        batcher.enqueue(Item(sample=None, length=500, priority=NORMAL,
                              deadline=loop.time() + 60, future=loop.create_future(),
                              bucket=1, cost=8.0))
     runtime = SimpleNamespace(
@@ -230,7 +230,7 @@ async def test_a_deadline_shorter_than_its_own_batch_is_not_told_to_retry(
     # 15 ms is met on an empty queue; behind a backlog it is refused for now, with a retry.
     for _ in range(40):
         admission.admit(NORMAL, [batcher.bucket_of(100)], now + 30.0, now)
-        batcher.enqueue(Item(model="m", sample=None, length=100, priority=NORMAL,
+        batcher.enqueue(Item(sample=None, length=100, priority=NORMAL,
                              deadline=now + 30.0, future=loop.create_future(),
                              bucket=batcher.bucket_of(100), cost=1.0))
     with pytest.raises(VegaError) as later:

@@ -74,7 +74,7 @@ async def running() -> AsyncIterator[Callable[..., tuple[Batcher, RecordingSink]
 def item(batcher: Batcher, length: int = 10, priority: int = NORMAL,
          deadline_s: float = 10.0, sample: Any = None) -> Item:
     loop = asyncio.get_running_loop()
-    new = Item(model="m", sample=sample, length=length, priority=priority,
+    new = Item(sample=sample, length=length, priority=priority,
                deadline=loop.time() + deadline_s, future=loop.create_future(),
                bucket=batcher.bucket_of(length))
     batcher.enqueue(new)

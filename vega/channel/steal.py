@@ -157,7 +157,7 @@ class Thief:
         model = entry.model
         loop = asyncio.get_running_loop()
         now = loop.time()
-        items = [Item(model=model, sample=sample, length=length, priority=NORMAL,
+        items = [Item(sample=sample, length=length, priority=NORMAL,
                       deadline=now + remaining_ms / 1000, future=loop.create_future(),
                       enqueued_at=now, bucket=bucket)
                  for sample, length in zip(entry.samples, entry.lengths)]

@@ -154,7 +154,7 @@ class JobRunner:
         items = []
         for sample, length in decoded:
             bucket = self.batcher.bucket_of(length)
-            items.append(Item(model=self.model, sample=sample, length=length, priority=JOB,
+            items.append(Item(sample=sample, length=length, priority=JOB,
                               deadline=deadline, future=loop.create_future(), bucket=bucket,
                               cost=self.batcher.item_cost(bucket)))
         self.held[job.id] = job

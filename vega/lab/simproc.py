@@ -208,7 +208,7 @@ class SimProcess:
             else:
                 self.requests.finish(index, error.code, now, error)
             return
-        item = Item(model=batcher.config.model, sample=None, length=length, priority=priority,
+        item = Item(sample=None, length=length, priority=priority,
                     deadline=deadline, future=loop.create_future(), bucket=bucket, cost=costs[0])
         entry = _Open(index, item)
         self.open += 1
