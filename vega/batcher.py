@@ -7,7 +7,8 @@ what is queued at once, a busy one lets batches grow until a thread is about to 
 a batch is due when full or when its oldest item has waited ``max_wait_s``. Formed batches go to
 an injected ``sink`` (the executor, or the overflow channel): no HTTP, torch or Redis here.
 
-Admission reads what it decides on (depth per class, backlog, service rate, batch time) here.
+What admission, metrics and status read of the queue (depth, backlog, item cost) is kept in
+vega.queues; of the batches in flight (spare threads, a stall, the service rate), here.
 """
 
 from __future__ import annotations
@@ -16,18 +17,17 @@ import asyncio
 import functools
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vega.buckets import shares
 from vega.config import Settings, length_bounds
-from vega.errors import MIN_RETRY_MS, VegaError, missed_deadline
+from vega.errors import VegaError, missed_deadline
 from vega.inflight import Inflight
-from vega.queues import Queues, first_live
-from vega.records import CRITICAL, JOB, PRIORITY_NAMES, Batch, Item, fail_items
-from vega.timing import BatchTimes, ServiceRate
+from vega.queues import JOBS, Queues
+from vega.records import CRITICAL, JOB, Batch, Item, fail_items
+from vega.timing import ServiceRate
 
 log = logging.getLogger("vega.batcher")
 
@@ -45,8 +45,6 @@ SWEEP_S = 0.005  # how often the queue's heads are checked against their deadlin
 # A batch this many times its predicted run past its predicted end, and this long at
 # least, is hung: the process turns not-ready until it ends (stalled).
 STALL_FACTOR, STALL_MIN_S = 10.0, 2.0
-
-INLINE, JOBS = slice(0, JOB), slice(JOB, JOB + 1)
 
 Sink = Callable[[Batch], Awaitable[None]]
 BatchObserver = Callable[[Batch], None]
@@ -88,27 +86,29 @@ class BatcherConfig:
 class Batcher(Queues):
     def __init__(self, config: BatcherConfig, sink: Sink,
                  on_batch_done: BatchObserver | None = None) -> None:
-        super().__init__(len(config.buckets), config.standing_after_s)
+        super().__init__(config.buckets, config.max_batch_size, config.parallelism,
+                         config.standing_after_s)
         self.config = config
-        self.times = BatchTimes(len(config.buckets))
         self.rate = ServiceRate(config.parallelism)
         self._sink = sink
         self._on_batch_done = on_batch_done
         self._wake = asyncio.Event()
         self._running = False  # while run() is looping
         self._inflight = Inflight(config.parallelism)
+        self._idle = asyncio.Event()  # set while nothing is queued or in flight
+        self._idle.set()
         self._swept_at, self._next_last_call = -math.inf, math.inf  # see _last_calls
 
     def with_config(self, config: BatcherConfig) -> Batcher:
         return Batcher(config, self._sink, self._on_batch_done)
 
-    # -- values read by admission, metrics and status ------------------------------
+    # -- what peers, status and a drain read of the batches in flight ----------------
 
     @property
     def spare_threads(self) -> int:
         """Executor threads this batcher's own work leaves free now: what peers may borrow
         (its own queued items come first: a process steals only when it has none)."""
-        if any(self._depth[:JOB]):
+        if self.depth():
             return 0
         return max(0, self.config.parallelism - len(self._inflight))
 
@@ -116,55 +116,30 @@ class Batcher(Queues):
     def inflight(self) -> int:
         return len(self._inflight)
 
-    def backlog_s(self, priority: int = len(PRIORITY_NAMES) - 1) -> float:
-        """Predicted seconds to work through what is queued ahead of ``priority``, as the
-        batches it will run in (rule 2): partial batches share one, not a full one each."""
-        if not any(self._depth[: priority + 1]):
-            return 0.0
-        counts = [sum(c[: priority + 1]) if self._bucket_depth[b] else 0
-                  for b, c in enumerate(self._counts)]
-        return self.times.drain_s(counts, self.config.max_batch_size) / self.config.parallelism
-
-    def item_cost(self, bucket: int) -> float:
-        """Compute cost of one item in ``bucket``, in shortest-bucket items (rule 3)."""
-        size = self.config.max_batch_size
-        unit = self.times.per_item_s(0, size)
-        return max(1.0, self.times.per_item_s(bucket, size) / unit) if unit > 0 else 1.0
-
-    def bucket_of(self, length: int) -> int:
-        for index, bound in enumerate(self.config.buckets):
-            if length <= bound:
-                return index
-        return len(self.config.buckets) - 1
-
     async def wait_idle(self) -> None:
         """Return once nothing is queued or in flight (for drain)."""
-        while any(self._depth) or self._inflight:
+        while not self.empty() or self._inflight:
             await self._idle.wait()
 
     # -- the request side ----------------------------------------------------------
 
     def enqueue(self, item: Item) -> None:
         """Queue an admitted item; its future is answered exactly once from here on."""
-        item.enqueued_at = asyncio.get_running_loop().time()
-        item.queued_pc = time.perf_counter()
-        queue = self._queues[item.bucket][item.priority]
-        if not queue and item.priority != JOB:  # a new head: its last call may come first
+        if self._push(item) and item.priority != JOB:  # a new head: its last call may come first
             last_call = item.deadline - self._last_call_lead(item.bucket)
             self._next_last_call = min(self._next_last_call, last_call)
-        queue.append(item)
-        self._count(item, +1)
+        self._idle.clear()
         item.future.add_done_callback(functools.partial(self._left_queue, item))
         self._wake.set()
 
     def _maybe_idle(self) -> None:  # not for a batch formed but not yet dispatched (drain)
-        if not any(self._depth) and not self._inflight:
+        if self.empty() and not self._inflight:
             self._idle.set()
 
     def _left_queue(self, item: Item, _future: asyncio.Future[Any]) -> None:
         # Answered or cancelled while queued: the deque drops it at its front, the counts now.
         if item.counted:
-            self._count(item, -1)
+            self._uncount(item)
             self._maybe_idle()
 
     # -- the loop ------------------------------------------------------------------
@@ -268,10 +243,10 @@ class Batcher(Queues):
         # A partial batch, too, is formed ahead of a predicted end: held until the thread
         # freed, it reached the model a loop turn and a thread hand-off late.
         partial_ahead = run is not None and run[1] > run[0]
-        for bucket, queues in enumerate(self._queues):
-            if not depth[bucket]:
+        for bucket, queued in enumerate(depth):
+            if not queued:
                 continue
-            heads = [first_live(queue) for queue in queues[lane]]
+            heads = self._heads(bucket, lane)
             if all(item is None for item in heads):
                 continue  # answered or cancelled, its done callback (the counts) not run yet
             oldest = min(item.enqueued_at for item in heads if item is not None)
@@ -315,29 +290,17 @@ class Batcher(Queues):
     def _form(self, bucket: int, now: float, items: list[Item]) -> Batch:
         behind = self.behind(now)
         if behind:
-            self.shed_waited(bucket, now - self.standing_after_s,
-                             lambda: self._shed(now))
+            self.shed_waited(bucket, now)
         lifo = self.newest_first(now)
         given = self._shares(bucket)
         top = max(given)
         size = min(self.config.max_batch_size, sum(given.values()))
         run = self._inflight.freeing_run()  # formed ahead, it starts once the running batch ends
         finish = (now if run is None else max(now, run[1])) + self.times.predict(top, size)
-        lane, depth = self._lane()  # depth: the live counts, which the takes lower
-        for source, count in given.items():
-            self._take(source, count, items, finish, now, lifo, behind)
-        if lane is INLINE and not any(depth[source] for source in given):
-            self._drained_at = now
+        self._take(given, items, finish, now, lifo, behind)
         pad_to = max((item.length for item in items), default=0)
         return Batch(model=self.config.model, bucket=top, items=items, formed_at=now,
                      pad_to=pad_to if self.config.pad is None else self.config.pad(pad_to))
-
-    def _lane(self) -> tuple[slice, list[int]]:
-        """The classes the next batch takes, and their depth per bucket: the inline
-        classes while any inline item is queued, else the job class (never both)."""
-        if self._nonempty_since is not None:
-            return INLINE, self._bucket_depth
-        return JOBS, self._job_bucket_depth
 
     def _shares(self, bucket: int) -> dict[int, int]:
         """How many items each bucket gives the batch formed for ``bucket`` (the merge
@@ -354,8 +317,7 @@ class Batcher(Queues):
     def job_items_per_s(self) -> float:
         """Job items run per second of a free thread's time: the measured service rate,
         less what cutting job batches to ``job_batch_s`` costs (rule 2's lines)."""
-        depth = self._job_bucket_depth
-        bucket = max(range(len(depth)), key=depth.__getitem__) if any(depth) else 0
+        bucket = self._busiest_job_bucket()
         full, cut = self.config.max_batch_size, self._job_cap(bucket)
         full_s, cut_s = self.times.predict(bucket, full), self.times.predict(bucket, cut)
         if full_s <= 0 or cut_s <= 0:
@@ -368,44 +330,6 @@ class Batcher(Queues):
         while size > 1 and self.times.predict(bucket, size) > self.config.job_batch_s:
             size -= 1
         return size
-
-    def _take(self, bucket: int, count: int, items: list[Item], finish: float, now: float,
-              lifo: bool, behind: bool) -> None:
-        """Move up to ``count`` live items of ``bucket`` into ``items``, critical first."""
-        taken, item = 0, None
-        lane, _ = self._lane()
-        try:
-            for queue in self._queues[bucket][lane]:
-                while queue and taken < count:
-                    item = queue.pop() if lifo else queue.popleft()
-                    if not item.live:
-                        continue
-                    self._count(item, -1)
-                    item.queue_s = time.perf_counter() - item.queued_pc
-                    refusal = self._refuse_at_dispatch(item, finish, now, behind)
-                    if refusal is not None:
-                        item.future.set_exception(refusal)
-                    else:
-                        items.append(item)
-                        taken += 1
-        except Exception:
-            if item is not None and item not in items:  # popped, in no queue: pump fails it
-                items.append(item)
-            raise
-
-    def _shed(self, now: float) -> VegaError:
-        self._shed_at = now
-        return VegaError("shed", "queued too long under sustained overload",
-                         retry_after_ms=max(MIN_RETRY_MS, 1000 * self.backlog_s()))
-
-    def _refuse_at_dispatch(self, item: Item, finish: float, now: float,
-                            behind: bool) -> VegaError | None:
-        if item.deadline <= finish:
-            return missed_deadline(item.deadline, now, self.backlog_s())
-        if behind and item.priority != CRITICAL and \
-                now - item.enqueued_at > self.standing_after_s:
-            return self._shed(now)
-        return None
 
     def _dispatch(self, batch: Batch) -> None:
         batch.on_end = self._ended
