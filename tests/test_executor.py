@@ -187,7 +187,7 @@ def echo_batch(model: SequenceModel, first: float = 0.5, size: int = 1) -> Batch
     rows[0][0] = first
     items = [Item(sample=model.decode(rows)[0], length=4, priority=1,
                   deadline=loop.time() + 60, future=loop.create_future()) for _ in range(size)]
-    return Batch(model="echo", bucket=0, items=items, formed_at=loop.time(), pad_to=4)
+    return Batch(model="echo", bucket=0, items=items, pad_to=4)
 
 
 async def echo_executor() -> tuple[Executor, SequenceModel]:
@@ -290,8 +290,7 @@ def test_an_answer_too_large_for_the_slot_crosses_whole_in_a_model_process() -> 
         loop = asyncio.get_running_loop()
         items = [Item(sample=model.decode(r)[0], length=512, priority=1,
                       deadline=loop.time() + 60, future=loop.create_future()) for r in rows]
-        await executor.run(Batch(model="steps", bucket=0, items=items, formed_at=loop.time(),
-                                 pad_to=512))
+        await executor.run(Batch(model="steps", bucket=0, items=items, pad_to=512))
         return items
 
     try:

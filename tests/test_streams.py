@@ -226,7 +226,7 @@ def one_window_batch(runtime: Runtime, deadline_s: float) -> tuple[Batch, Item]:
     sample, length = runtime.models["echo"].adapter.decode(window(2, 1.0))
     item = Item(sample=sample, length=length, priority=CRITICAL,
                 deadline=loop.time() + deadline_s, future=loop.create_future())
-    return Batch(model="echo", bucket=0, items=[item], formed_at=loop.time(), pad_to=2), item
+    return Batch(model="echo", bucket=0, items=[item], pad_to=2), item
 
 
 async def check_an_unclaimed_hand_off_is_taken_back(runtime: Runtime) -> None:

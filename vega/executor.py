@@ -293,7 +293,7 @@ class Executor:
             _resolve(batch, [], None, done)
             for item in batch.items:
                 self.run(Batch(model=batch.model, bucket=batch.bucket, items=[item],
-                               formed_at=batch.formed_at, pad_to=batch.pad_to))
+                               pad_to=batch.pad_to))
             return
         _resolve(batch, outputs, error, done)
 

@@ -74,7 +74,6 @@ class Batch:
     model: str
     bucket: int
     items: list[Item]
-    formed_at: float
     pad_to: int  # what it pads to: its longest item's length, or the model's rounding up of it
     infer_s: float = 0.0  # measured by whoever ran it; 0 if it failed (nothing to predict)
     ended_at: float | None = None  # time.monotonic() when it ended, by whoever ran it

@@ -526,8 +526,7 @@ async def test_a_held_batch_takes_a_thread_until_it_ends(running: Start) -> None
                             dispatch_when_idle=True)
     loop = asyncio.get_running_loop()
     taken_back: asyncio.Future[None] = loop.create_future()
-    batcher.hold(Batch(model="m", bucket=0, items=[], formed_at=loop.time(), pad_to=10),
-                 taken_back)
+    batcher.hold(Batch(model="m", bucket=0, items=[], pad_to=10), taken_back)
     assert (batcher.inflight, batcher.spare_threads) == (1, 0)
     queued = item(batcher)
     await asyncio.sleep(0.05)

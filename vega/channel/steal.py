@@ -162,7 +162,7 @@ class Thief:
                       enqueued_at=now, bucket=bucket)
                  for sample, length in zip(entry.samples, entry.lengths)]
         pad = self.link.models[model][1].config.pad  # a compiled model's rounding, as its origin's
-        batch = Batch(model=model, bucket=bucket, items=items, formed_at=now,
+        batch = Batch(model=model, bucket=bucket, items=items,
                       pad_to=entry.pad_to if pad is None else pad(entry.pad_to))
         await self.link.run_local(batch)
         error = next((item.future.exception() for item in items
