@@ -136,8 +136,8 @@ class SentinelSet(Servers):
                         f"sentinel failover-timeout {SERVICE} 5000\n")
         self.start(self.sentinel, str(conf), "--sentinel")
         # It can fail over only once it has found the replica (through the primary's INFO).
-        wait_until(lambda: str(self.replica) in _info(self.sentinel, "sentinel", "replicas",
-                                                      SERVICE), 20, "the sentinel to see the replica")
+        wait_until(lambda: str(self.replica) in _info(
+            self.sentinel, "sentinel", "replicas", SERVICE), 20, "the sentinel to see the replica")
         return self
 
     def primary_port(self) -> int:

@@ -1,4 +1,4 @@
-"""Real processes for tests: free ports, and a `vega serve` subprocess that is polled until ready."""
+"""Real processes for tests: free ports, and a `vega serve` subprocess polled until ready."""
 
 from __future__ import annotations
 
