@@ -7,7 +7,9 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import re
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -395,6 +397,36 @@ def test_job_paths_from_the_network_are_checked() -> None:
     assert job_path(b'{"id": "ok"}', b"/v1/jobs/a b") == "/v1/jobs/ok"
     assert job_path(b"not json", b"http://elsewhere/v1/jobs/1") is None
     assert job_path(b'{"id": 7}', None) is None
+
+
+async def test_ctrl_c_while_answers_are_awaited_ends_the_run_and_writes_its_report(
+        tmp_path: Path) -> None:
+    # Ctrl-C stopped the sending, then the run waited out --drain-s for answers anyway.
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    release = asyncio.Event()
+
+    async def stuck(request: Request) -> JSONResponse:
+        await request.body()
+        await release.wait()
+        return JSONResponse({"outputs": [0.0]})
+
+    sock = tmp_path / "stuck.sock"
+    async with serving(Starlette(routes=[Route("/v1/infer", stuck, methods=["POST"])]), sock):
+        options = traffic.resolve({
+            "url": "http://stuck", "uds": str(sock), "rate": 20.0, "duration_s": 0.5,
+            "process": "constant", "seed": 1, "drain_s": 60.0, "timeout_s": 60.0,
+            "poll_s": 0, "metrics": False, "plots": False, "progress": False})
+        asyncio.get_running_loop().call_later(1.0, os.kill, os.getpid(), signal.SIGINT)
+        try:
+            report = await asyncio.wait_for(loadgen.bench(options), 10)
+        finally:
+            release.set()
+    summary = report["summary"]
+    assert summary["sent"] == 10 and summary["ok"] == 0, summary
 
 
 async def test_a_target_whose_metrics_are_not_prometheus_text_still_gets_a_report(

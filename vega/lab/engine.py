@@ -260,14 +260,19 @@ async def offer(engine: Engine, times: list[float], kinds: list[Kind]) -> None:
         await asyncio.sleep(0)  # let answers in between bunches of sends
 
 
-async def settle(engine: Engine, drain_s: float) -> None:
-    """Wait until every sent request is answered, at most ``drain_s``."""
+async def settle(engine: Engine, drain_s: float, stop: asyncio.Event | None = None) -> None:
+    """Wait until every sent request is answered, at most ``drain_s``, or until ``stop``
+    is set (Ctrl-C: what is still unanswered is recorded as it stands)."""
     engine.stopping = engine.stopping or engine.closed
     if engine.done < engine.sent or engine.backlog:
+        waits = [asyncio.ensure_future(engine.idle_event.wait())]
+        if stop is not None:
+            waits.append(asyncio.ensure_future(stop.wait()))
         try:
-            await asyncio.wait_for(engine.idle_event.wait(), drain_s)
-        except TimeoutError:
-            pass
+            await asyncio.wait(waits, timeout=drain_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
     engine.close()
 
 

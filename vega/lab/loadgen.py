@@ -203,7 +203,7 @@ async def bench(options: dict[str, Any]) -> dict[str, Any]:
                 await asyncio.sleep(0.05)
         else:
             await offer(engine, arrivals.t_s.tolist(), sequence)
-        await settle(engine, options["drain_s"])
+        await settle(engine, options["drain_s"], stop)
         if poller is not None:
             await poller.wait(stop)
     finally:
