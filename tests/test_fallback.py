@@ -84,6 +84,21 @@ async def test_requests_the_main_model_would_refuse_go_to_the_fallback(
     assert all(r.status_code == 429 or r.json()["model"] == "echo" for r in normal)
 
 
+async def test_with_no_room_even_for_critical_degradable_requests_still_get_the_fallback(
+        vega: Callable[..., VegaProcess]) -> None:
+    # Refused unread as if critical (the most the body could claim), they never reached
+    # the idle fallback: 429 queue_full for every class.
+    server = vega(**{**SLOW, "VEGA_QUEUE_CAPACITY": "8"},
+                  VEGA_FALLBACK_MODEL="python:tests.models:echo_fast")
+    async with httpx.AsyncClient(timeout=30) as client:
+        backlog = asyncio.ensure_future(send(client, server.url, ["critical"] * 12))
+        await asyncio.to_thread(wait_until, lambda: queued(server.url) >= 8, 10, "a full queue")
+        measured = await send(client, server.url, ["normal", "sheddable", "critical"])
+        await backlog
+    assert [r.status_code for r in measured] == [200, 200, 429], [r.text for r in measured]
+    assert [r.json()["model"] for r in measured[:2]] == ["echo_fast"] * 2
+
+
 async def test_a_degraded_answer_is_marked_and_not_cached_on_either_protocol() -> None:
     env = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_LENGTH_BUCKETS": "16",
            "VEGA_FALLBACK_MODEL": "python:tests.models:echo_fast",

@@ -28,7 +28,7 @@ from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
 from vega.pressure.fallback import Fallback, first_admitted, load_fallback
 from vega.pressure.looplag import LoopLag
 from vega.pressure.pacing import RefusalPacer
-from vega.records import JOB, PRIORITY_NAMES, Batch, Item, deadline_at
+from vega.records import JOB, PRIORITY_NAMES, SHEDDABLE, Batch, Item, deadline_at
 from vega.status import Reporter
 from vega.streams import Streams
 from vega.warmup import planned, seed_batch_times
@@ -252,13 +252,16 @@ class Runtime:
             why = "is still warming up" if not self._warm else "has no model that can run a batch"
             raise VegaError("not_ready", f"this process {why}", retry_after_ms=1000.0)
 
-    def gate(self, model: str, claimed: int | None) -> None:
+    def gate(self, model: str, claimed: int | None, unread: bool = False) -> None:
         """The checks before a request's body is read, and again before it is parsed: open,
         the model known, and room for the most favoured class it can claim, if given
-        (unless a fallback may take it)."""
+        (unless a fallback may take it, or, ``unread``, any class its body may still name)."""
         self.check_open()
         served = self.served(model)
-        if claimed is not None and self.fallback_for(served, claimed) is None:
+        if claimed is None:
+            return
+        classes = range(claimed, SHEDDABLE + 1) if unread else (claimed,)
+        if all(self.fallback_for(served, c) is None for c in classes):
             served.admission.precheck(claimed)
 
     async def infer(self, model: str, instances: list[Any], priority: int,

@@ -182,11 +182,12 @@ class Guard:
             early = self.refuse_early(request, model)
             named = named_priority(request.headers.get("x-vega-priority"))
             priority = NORMAL if named is None else named  # counted under it if refused here
-            # Refuse before reading the body when not even a critical request would get in:
-            # the body may name any class, and it wins over the header.
+            # Refuse before reading the body when not even a critical request would get in
+            # and no fallback could take it: the body may name any class, and it wins over
+            # the header.
             try:
                 self.runtime.gate(model, CRITICAL if early and self.dialect.refuses_unread
-                                  else None)
+                                  else None, unread=True)
             except VegaError:
                 if named is None and later is None:  # counted under the class it asked for
                     priority = await self._named_in_body(request, priority)
