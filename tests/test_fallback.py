@@ -88,13 +88,18 @@ async def test_with_no_room_even_for_critical_degradable_requests_still_get_the_
         vega: Callable[..., VegaProcess]) -> None:
     # Refused unread as if critical (the most the body could claim), they never reached
     # the idle fallback: 429 queue_full for every class.
-    server = vega(**{**SLOW, "VEGA_QUEUE_CAPACITY": "8"},
+    # A batch takes 2 s, so the queue stays full while the callers arrive, however slowly.
+    server = vega(**{**SLOW, "VEGA_QUEUE_CAPACITY": "8", "TEST_SLEEP_MS": "2000"},
                   VEGA_FALLBACK_MODEL="python:tests.models:echo_fast")
     async with httpx.AsyncClient(timeout=30) as client:
         backlog = asyncio.ensure_future(send(client, server.url, ["critical"] * 12))
-        await asyncio.to_thread(wait_until, lambda: queued(server.url) >= 8, 10, "a full queue")
-        measured = await send(client, server.url, ["normal", "sheddable", "critical"])
-        await backlog
+        try:
+            await asyncio.to_thread(wait_until, lambda: queued(server.url) >= 8, 20,
+                                    "a full queue")
+            measured = await send(client, server.url, ["normal", "sheddable", "critical"])
+        finally:
+            backlog.cancel()  # its answers take 18 s more, and are not what is tested
+            await asyncio.gather(backlog, return_exceptions=True)
     assert [r.status_code for r in measured] == [200, 200, 429], [r.text for r in measured]
     assert [r.json()["model"] for r in measured[:2]] == ["echo_fast"] * 2
 
