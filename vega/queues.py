@@ -244,6 +244,7 @@ class Queues:
         their deadline by ``finish`` or (``behind``) are stale. If that empties the inline
         buckets taken from, the queue drained now (``behind``)."""
         lane, depth = self._lane()  # depth: the live counts, which the takes lower
+        taken_at = time.perf_counter()  # one clock read a batch, not one an item
         for bucket, count in given.items():
             taken, item = 0, None
             try:
@@ -253,7 +254,7 @@ class Queues:
                         if not item.live:
                             continue
                         self._uncount(item)
-                        item.queue_s = time.perf_counter() - item.queued_pc
+                        item.queue_s = taken_at - item.queued_pc
                         refusal = self._refuse_at_dispatch(item, finish, now, behind)
                         if refusal is not None:
                             item.future.set_exception(refusal)

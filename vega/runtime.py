@@ -260,9 +260,11 @@ class Runtime:
         served = self.served(model)
         if claimed is None:
             return
-        classes = range(claimed, SHEDDABLE + 1) if unread else (claimed,)
-        if all(self.fallback_for(served, c) is None for c in classes):
-            served.admission.precheck(claimed)
+        if self.fallback is not None:  # each request comes here: no fallback, no search
+            classes = range(claimed, SHEDDABLE + 1) if unread else (claimed,)
+            if any(self.fallback_for(served, c) is not None for c in classes):
+                return
+        served.admission.precheck(claimed)
 
     async def infer(self, model: str, instances: list[Any], priority: int,
                     deadline_ms: float, gone: Callable[[], bool] | None = None,
