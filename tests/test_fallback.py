@@ -88,18 +88,27 @@ async def test_with_no_room_even_for_critical_degradable_requests_still_get_the_
         vega: Callable[..., VegaProcess]) -> None:
     # Refused unread as if critical (the most the body could claim), they never reached
     # the idle fallback: 429 queue_full for every class.
-    # A batch takes 2 s, so the queue stays full while the callers arrive, however slowly.
-    server = vega(**{**SLOW, "VEGA_QUEUE_CAPACITY": "8", "TEST_SLEEP_MS": "2000"},
+    # A batch takes 2 s; critical callers keep coming until four are queued, the bound
+    # (they end well within the 20-s deadline, so none is refused for time).
+    server = vega(**{**SLOW, "VEGA_QUEUE_CAPACITY": "4", "TEST_SLEEP_MS": "2000"},
                   VEGA_FALLBACK_MODEL="python:tests.models:echo_fast")
     async with httpx.AsyncClient(timeout=30) as client:
-        backlog = asyncio.ensure_future(send(client, server.url, ["critical"] * 12))
+        backlog: list[asyncio.Future[httpx.Response]] = []
         try:
-            await asyncio.to_thread(wait_until, lambda: queued(server.url) >= 8, 20,
-                                    "a full queue")
+            for _ in range(100):
+                if await asyncio.to_thread(queued, server.url) >= 4:
+                    break
+                backlog.append(asyncio.ensure_future(client.post(
+                    server.url + "/v1/infer", content=body("critical"))))
+                await asyncio.sleep(0.2)
+            else:
+                answered = [f.result().text for f in backlog if f.done() and not f.exception()]
+                pytest.fail(f"the queue never filled: {answered}")
             measured = await send(client, server.url, ["normal", "sheddable", "critical"])
         finally:
-            backlog.cancel()  # its answers take 18 s more, and are not what is tested
-            await asyncio.gather(backlog, return_exceptions=True)
+            for waiting in backlog:  # their answers take seconds more, and are not tested
+                waiting.cancel()
+            await asyncio.gather(*backlog, return_exceptions=True)
     assert [r.status_code for r in measured] == [200, 200, 429], [r.text for r in measured]
     assert [r.json()["model"] for r in measured[:2]] == ["echo_fast"] * 2
 
