@@ -227,6 +227,39 @@ def no_lengths(name: str) -> Any:
     return Mean()
 
 
+def patches(name: str) -> Any:
+    """A patch model that needs a whole patch: patches of 8 steps, no padding, so a window
+    of fewer steps fails, as its ``vega_min_length`` says; the mean over its whole patches."""
+    import torch
+
+    class Patches(torch.nn.Module):
+        vega_min_length = 8
+        vega_max_length = 256
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(8)
+            self.patch = torch.nn.Conv1d(8, 4, kernel_size=8, stride=8)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            if x.shape[1] < 8:
+                raise ValueError(f"a window of {x.shape[1]} steps holds no whole patch")
+            patches = self.patch(x.transpose(1, 2))  # [B, 4, steps // 8]
+            whole = lengths // 8
+            mask = torch.arange(patches.shape[-1]) < whole[:, None]
+            out: torch.Tensor = (patches * mask[:, None]).sum(-1) / whole[:, None]
+            return out
+
+    return Patches().eval()
+
+
+def whole_patches_of_16(name: str) -> Any:
+    """``patches`` for windows of at least 16 steps."""
+    module = patches(name)
+    module.vega_min_length = 16
+    return module
+
+
 def float64(name: str) -> Any:
     """float64 weights: the mean of each channel's valid steps, scaled by 0.5..2."""
     import torch

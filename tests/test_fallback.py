@@ -153,3 +153,7 @@ def test_a_fallback_for_shorter_windows_is_refused_at_start() -> None:
            "VEGA_FALLBACK_MODEL": "python:tests.models:short_window_sum"}
     with pytest.raises(ModelLoadError, match=r"windows of at most 100 steps, 'window_sum' of 512"):
         create_app(load_settings(environ=env))
+    env = {**BASE, "VEGA_MODEL": "python:tests.models:patches",
+           "VEGA_FALLBACK_MODEL": "python:tests.models:whole_patches_of_16"}
+    with pytest.raises(ModelLoadError, match=r"windows of at least 16 steps, 'patches' of 8"):
+        create_app(load_settings(environ=env))

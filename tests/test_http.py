@@ -17,6 +17,7 @@ import pytest_asyncio
 from tests.inproc import in_process
 from tests.models import FAIL_MARK, window
 from tests.models import echo as echo_model
+from vega.models import load_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -245,6 +246,32 @@ async def test_a_per_step_model_answers_each_window_with_its_own_rows() -> None:
         assert [len(rows) for rows in both] == [2, 9]
         metadata = (await client.get("/v2/models/per_step")).json()
         assert metadata["outputs"][0]["shape"] == [-1, -1, 3]
+
+
+async def test_windows_shorter_than_a_user_module_takes_are_refused_and_the_rest_served(
+) -> None:
+    # An eager module at the defaults (a model process), with mixed lengths in flight.
+    module = load_model("python:tests.models:patches")
+    module.load("cpu")
+    lengths = [8, 13, 100, 256, 40, 9]
+    sent = [module.example(n).round(4) for n in lengths]
+    async with in_process({"VEGA_MODEL": "python:tests.models:patches"}) as (client, runtime):
+        assert runtime.served(None).batcher.config.buckets[0] >= 8
+        answers = await asyncio.gather(
+            *(post(client, {"inputs": w.tolist()}) for w in sent),
+            post(client, {"inputs": window(3)}),
+            post(client, {"instances": [window(8), window(7)]}))
+        for window_sent, answer in zip(sent, answers):
+            expected = module.run([module.decode(window_sent.tolist())[0]], len(window_sent))[0]
+            np.testing.assert_allclose(outputs_of(answer), expected, rtol=1e-5, atol=1e-5)
+        for refused, message in zip(answers[-2:], ("outside 8..256", "instance 1: window")):
+            assert refused.status_code == 422 and error_of(refused) == "invalid_input"
+            assert message in refused.json()["error"]["message"]
+        tensor = {"name": "INPUT__0", "datatype": "FP32", "shape": [1, 5, 8], "data": [0.5] * 40}
+        v2 = await post(client, {"inputs": [tensor]}, "/v2/models/patches/infer")
+        assert v2.status_code == 422 and "outside 8..256" in v2.text
+        described = (await client.get("/v1/models")).json()["models"][0]
+        assert (described["min_length"], described["max_length"]) == (8, 256)
 
 
 async def test_a_nan_output_is_a_model_error_in_json_and_as_it_is_in_binary() -> None:

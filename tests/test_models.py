@@ -521,3 +521,35 @@ def test_a_module_that_fails_only_batched_is_told_what_batch_it_was_given() -> N
     with pytest.raises(RuntimeError, match=r"failed on an example batch: x \[2, \d+, 8\] "
                                            r"float32, lengths \[2\] int64 \(\d+, \d+\)"):
         adapter.load("cpu")
+
+
+def test_a_module_names_the_fewest_steps_it_takes_and_shorter_windows_are_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="vega.models"):
+        model = load_model("python:tests.models:patches")
+        model.load("cpu")
+    assert isinstance(model, SequenceModel) and (model.min_length, model.max_length) == (8, 256)
+    assert not [r for r in caplog.records if "fails alone" in r.getMessage()]
+    for short in (np.ones((7, 8)).tolist(), np.ones((7, 8), np.float32)):
+        with pytest.raises(VegaError) as refused:
+            model.decode(short)
+        assert refused.value.code == "invalid_input" and "8..256" in refused.value.message
+    windows = [model.decode(model.example(n).tolist())[0] for n in (8, 20)]
+    assert [len(w) for w in windows] == [8, 20]
+    alone = [model.run([w], len(w))[0] for w in windows]
+    np.testing.assert_allclose(model.run(windows, 20), alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("least", [0, 300])
+def test_a_min_length_outside_one_to_the_max_length_is_refused_at_load(
+        least: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / f"vega_least_{least}.py").write_text(
+        "import torch\n\n"
+        "class Mean(torch.nn.Module):\n"
+        f"    vega_min_length = {least}\n"
+        "    vega_max_length = 256\n\n"
+        "    def forward(self, x, lengths):\n"
+        "        return x.mean(dim=1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelLoadError, match=f"vega_min_length {least} is not within 1..vega_"):
+        load_model(f"python:vega_least_{least}:Mean")

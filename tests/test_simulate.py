@@ -118,7 +118,7 @@ def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
     # every shape alike.
     assert forwards.read_text().split() == \
         ["1", "2", "1", "1"] + ["1", "4", "1", "4"] * 2 + ["4", "1", "4", "1"]
-    assert doc["buckets"] == [16, 512]
+    assert doc["buckets"] == [16, 512] and doc["min_length"] == 1
     assert doc["sizes"] == [1, 4]
     for bound in ("16", "512"):
         for size in ("1", "4"):
@@ -159,6 +159,13 @@ def test_an_output_path_is_checked_before_the_work() -> None:
     assert unwritable(Path("/proc/reports"), directory=True) == "cannot write in /proc"
     assert unwritable(Path("/proc/report.json")) == "cannot write in /proc"
     assert unwritable(Path("/tmp/vega-reports"), directory=True) is None
+
+
+def test_profile_times_no_bound_shorter_than_the_model_takes() -> None:
+    settings = load_settings(environ={"VEGA_MODEL": "python:tests.models:patches"})
+    doc = profile.measure(settings, sizes=[1, 2], repeats=1, buckets=[4, 16])
+    assert doc["min_length"] == 8 and doc["buckets"] == [16, 256]
+    assert LatencyModel.from_profile(doc).min_length == 8
 
 
 def test_profile_times_sizes_past_the_max_batch_size_in_a_model_process() -> None:
@@ -401,6 +408,11 @@ def test_command_refuses_a_bad_setting(tmp_path: Path, capsys: pytest.CaptureFix
     args = parser.parse_args(["--latency", str(latency), "--lengths", str(longest + 1)])
     assert simulate.run(args) == simulate.EXIT_CONFIG  # a server would answer each 422
     assert f"the profile's model takes 1..{longest}" in capsys.readouterr().err
+    latency.write_text(json.dumps({**PROFILE, "min_length": 8}))  # vega_min_length = 8
+    args = parser.parse_args(["--latency", str(latency), "--lengths", "4"])
+    assert simulate.run(args) == simulate.EXIT_CONFIG
+    assert f"the profile's model takes 8..{longest}" in capsys.readouterr().err
+    latency.write_text(json.dumps(PROFILE))
     broken: list[Any] = [[1, 2], {"buckets": [], "sizes": [], "seconds": {}}]
     for doc in broken:
         latency.write_text(json.dumps(doc))

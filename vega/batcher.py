@@ -70,12 +70,15 @@ class BatcherConfig:
     job_batch_s: float = 0.02
     # The length the model pads a batch's longest window to (a compiled package rounds up).
     pad: Callable[[int], int] | None = None
+    min_length: int = 1  # the shortest window the model takes: no bucket ends below it
 
     @classmethod
     def from_settings(cls, s: Settings, model: str, max_length: int, hands_off: bool = False,
-                      pad: Callable[[int], int] | None = None) -> BatcherConfig:
+                      pad: Callable[[int], int] | None = None,
+                      min_length: int = 1) -> BatcherConfig:
         """A model's batcher as the settings describe it (the simulator builds the same)."""
-        return cls(model=model, buckets=length_bounds(s.length_buckets, max_length), pad=pad,
+        return cls(model=model, buckets=length_bounds(s.length_buckets, max_length, min_length),
+                   pad=pad, min_length=min_length,
                    max_batch_size=s.max_batch_size, max_wait_s=s.max_wait_ms / 1000,
                    dispatch_when_idle=s.dispatch_when_idle, hands_off=hands_off,
                    max_inflight=s.max_inflight_batches, parallelism=s.executor_threads,

@@ -21,11 +21,12 @@ STEP = 8  # bounds are multiples of this many steps
 
 
 def plan_bounds(bounds: Sequence[int], times: BatchTimes, size: int, padding: float,
-                step: int = STEP) -> tuple[int, ...]:
+                step: int = STEP, least: int = 1) -> tuple[int, ...]:
     """Upper bounds, the longest kept, within ``padding`` of each other's per-item cost.
 
     ``times`` holds a line per configured bound; ``size`` is the batch size the per-item
     costs are compared at (a full batch). ``padding`` <= 0 keeps the configured bounds.
+    No bound is cut below ``least``, the shortest window the model takes.
     """
     if padding <= 0 or not all(times.line(b) is not None for b in range(len(bounds))):
         return tuple(bounds)
@@ -45,12 +46,13 @@ def plan_bounds(bounds: Sequence[int], times: BatchTimes, size: int, padding: fl
 
     planned = [bounds[-1]]
     high = bounds[-1]
+    lowest = max(step, least)
     while True:
         floor = cost(high) / (1 + padding)
         below = (high - 1) // step * step
-        while below >= step and cost(below) >= floor:
+        while below >= lowest and cost(below) >= floor:
             below -= step
-        if below < step:
+        if below < lowest:
             return tuple(reversed(planned))
         planned.append(below)
         high = below

@@ -435,10 +435,11 @@ def _check_together(s: Settings) -> None:
             f"other than VEGA_MODEL")
 
 
-def length_bounds(configured: tuple[int, ...], max_length: int) -> tuple[int, ...]:
-    """The length buckets served: the configured bounds below the model's longest input,
-    and that longest input."""
-    return tuple(b for b in configured if b < max_length) + (max_length,)
+def length_bounds(configured: tuple[int, ...], max_length: int,
+                  min_length: int = 1) -> tuple[int, ...]:
+    """The length buckets served: the configured bounds within the model's shortest and
+    longest inputs, and that longest input."""
+    return tuple(b for b in configured if min_length <= b < max_length) + (max_length,)
 
 
 def env_file_text() -> str:

@@ -37,7 +37,7 @@ from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
 from vega.modelproc.handle import Answered, Lane
 from vega.modelproc.slot import ALIGN
-from vega.models import ModelAdapter, adopt, holds_the_gil, identity, release
+from vega.models import ModelAdapter, adopt, holds_the_gil, identity, min_length, release
 from vega.models.loader import ModelLoadError
 from vega.records import JOB, Batch
 
@@ -84,10 +84,10 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
                                  f"{type(sample).__name__}, not numpy arrays")
         widest = max(widest, sample.nbytes)
     slot_bytes = max(1 << 20, s.max_batch_size * (widest + ALIGN))
-    top = s.max_batch_size
     warm = tuple((adapter.name, bound, size) for adapter in adapters
-                 for bound in length_bounds(s.length_buckets, adapter.max_length)
-                 for size in sorted({1, top}))
+                 for bound in length_bounds(s.length_buckets, adapter.max_length,
+                                            min_length(adapter))
+                 for size in sorted({1, s.max_batch_size}))
     return ProcessPlan(specs=specs, device=s.device, torch_threads=s.torch_threads,
                        slot_bytes=slot_bytes, timeout_s=s.model_timeout_s, warm_shapes=warm,
                        cpus=s.model_cpus, start_timeout_s=s.model_start_timeout_s)

@@ -23,7 +23,7 @@ from vega.executor import Executor, pick_device, process_plan
 from vega.jobs.lane import JobLane
 from vega.metrics import Metrics
 from vega.modelproc.handle import ModelProcessError
-from vega.models import ModelAdapter, decode_all, load_model
+from vega.models import ModelAdapter, decode_all, load_model, min_length
 from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
 from vega.pressure.fallback import Fallback, first_admitted, load_fallback
 from vega.pressure.looplag import LoopLag
@@ -131,7 +131,8 @@ class Runtime:
         for adapter in self._adapters:
             config = BatcherConfig.from_settings(s, adapter.name, adapter.max_length,
                                                  hands_off=bool(s.redis_url),
-                                                 pad=getattr(adapter, "padded_length", None))
+                                                 pad=getattr(adapter, "padded_length", None),
+                                                 min_length=min_length(adapter))
             batcher = Batcher(config, self._sink, self.metrics.observe_batch)
             await self.executor.call(self._warm_up, adapter, batcher)
             batcher = planned(batcher, s)

@@ -30,7 +30,7 @@ from vega.errors import VegaError
 from vega.httpio import HotRequest, Sent, error_response, json_response
 from vega.jobs.routes import JobsApi
 from vega.middleware import BearerAuthMiddleware, RequestIdMiddleware
-from vega.models import ModelAdapter, identity
+from vega.models import ModelAdapter, identity, min_length
 from vega.oip.routes import OipApi
 from vega.oip.routes import error_response as oip_error_response
 from vega.pressure.cache import ResponseCache, models_to_cache
@@ -117,7 +117,8 @@ class Relief:
 
 def describe(adapter: ModelAdapter, settings: Settings) -> dict[str, Any]:
     return {
-        "name": adapter.name, "version": adapter.version, "max_length": adapter.max_length,
+        "name": adapter.name, "version": adapter.version, "min_length": min_length(adapter),
+        "max_length": adapter.max_length,
         "max_batch_size": settings.max_batch_size,
         "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
                    for t in adapter.inputs],

@@ -20,7 +20,7 @@ T = TypeVar("T")
 def planned(batcher: Batcher, s: Settings) -> Batcher:
     """The warmed-up batcher, its length buckets cut again from what warm-up measured."""
     bounds = plan_bounds(batcher.config.buckets, batcher.times, s.max_batch_size,
-                         s.bucket_padding)
+                         s.bucket_padding, least=batcher.config.min_length)
     if bounds == batcher.config.buckets:
         return batcher
     log.info("model %s: length buckets %s from the measured costs",

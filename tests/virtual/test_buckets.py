@@ -14,6 +14,7 @@ from tests.virtual.test_batcher import (
 )
 from vega.batcher import Batcher
 from vega.buckets import line_at, per_item_s, plan_bounds, shares
+from vega.config import length_bounds
 from vega.timing import BatchTimes
 from vega.warmup import rebucketed, seed_batch_times
 
@@ -55,6 +56,16 @@ def test_where_cost_grows_with_length_no_bucket_pads_past_the_allowance() -> Non
 def test_a_looser_allowance_gives_fewer_buckets() -> None:
     times = linear()
     assert len(plan_bounds(BOUNDS, times, 32, 1.0)) < len(plan_bounds(BOUNDS, times, 32, 0.25))
+
+
+def test_no_bucket_is_cut_below_the_fewest_steps_the_model_takes() -> None:
+    times = linear()
+    finest = plan_bounds(BOUNDS, times, 32, padding=0.25)
+    assert finest[0] < 40  # cut where nothing shorter than 40 steps is ever queued
+    least = plan_bounds(BOUNDS, times, 32, padding=0.25, least=40)
+    assert least[0] >= 40 and least == tuple(b for b in finest if b >= 40)
+    assert length_bounds(BOUNDS, 512, 40) == (64, 128, 256, 512)
+    assert length_bounds(BOUNDS, 100, 1) == (16, 32, 64, 100)
 
 
 @pytest.mark.parametrize("padding", [0.0, -1.0])

@@ -97,7 +97,7 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
             sizes: list[int], repeats: int = 5, progress: Any = None) -> dict[str, Any]:
     """Load the model and time every (bucket, size); return the profile document."""
     from vega.executor import Executor, driven, pick_device, process_plan
-    from vega.models import load_model
+    from vega.models import load_model, min_length
 
     spec = model or settings.model
     name = settings.model_name if model is None else ""
@@ -118,7 +118,7 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
     with driven(executor):  # stopped however this block ends, a failed load included
         executor.load(chosen)
         bounds = list(length_bounds(tuple(buckets or settings.length_buckets),
-                                    adapter.max_length))
+                                    adapter.max_length, min_length(adapter)))
         shapes = [(bound, size, [adapter.example(bound)] * size) for bound in bounds
                   for size in sizes]
         times: dict[tuple[int, int], list[float]] = {(b, n): [] for b, n, _ in shapes}
@@ -136,7 +136,8 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
     return {"model": adapter.name, "spec": spec, "device": chosen, "torch_threads": threads,
             "executor": executor.kind,
             "host": platform.node(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "buckets": bounds, "sizes": sizes, "repeats": repeats, "seconds": seconds}
+            "min_length": min_length(adapter), "buckets": bounds, "sizes": sizes,
+            "repeats": repeats, "seconds": seconds}
 
 
 def _p90(times: list[float]) -> float:
@@ -172,6 +173,7 @@ class LatencyModel:
     p50: tuple[tuple[float, ...], ...]  # [length index][size index]
     p90: tuple[tuple[float, ...], ...]
     model: str = ""
+    min_length: int = 1  # the fewest steps the model takes (profiles before it: 1)
 
     @classmethod
     def from_profile(cls, doc: dict[str, Any]) -> LatencyModel:
@@ -181,7 +183,8 @@ class LatencyModel:
         p50 = tuple(tuple(float(seconds[str(b)][str(s)]["p50"]) for s in sizes) for b in lengths)
         p90 = tuple(tuple(float(seconds[str(b)][str(s)].get("p90", seconds[str(b)][str(s)]["p50"]))
                           for s in sizes) for b in lengths)
-        return cls(lengths, sizes, p50, p90, str(doc.get("model", "")))
+        return cls(lengths, sizes, p50, p90, str(doc.get("model", "")),
+                   int(doc.get("min_length", 1)))
 
     @classmethod
     def from_file(cls, path: str | Path) -> LatencyModel:

@@ -151,7 +151,9 @@ class SimProcess:
         self.loop = loop
         model = latency.model or "model"
         self.batcher = Batcher(BatcherConfig.from_settings(settings, model, latency.max_length,
-                                              hands_off=overflow is not None), self._sink)
+                                                           hands_off=overflow is not None,
+                                                           min_length=latency.min_length),
+                               self._sink)
         self.admission = Admission(AdmissionConfig.from_settings(settings), self.batcher,
                                    loop.time())
         self.free_at = [loop.time()] * settings.executor_threads  # per executor thread

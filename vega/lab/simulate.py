@@ -320,9 +320,10 @@ def run(args: argparse.Namespace) -> int:
             t_s, priority = arrivals.t_s.tolist(), arrivals.priority.tolist()
             length = arrivals.length.tolist()
         sent = options.closed.length if options.closed is not None else length
-        if sent and not 1 <= min(sent) <= max(sent) <= latency.max_length:
-            raise ValueError(f"windows of {min(sent)}..{max(sent)} steps: the profile's "
-                             f"model takes 1..{latency.max_length} (a server answers 422)")
+        if sent and not latency.min_length <= min(sent) <= max(sent) <= latency.max_length:
+            raise ValueError(f"windows of {min(sent)}..{max(sent)} steps: the profile's model "
+                             f"takes {latency.min_length}..{latency.max_length} (a server "
+                             "answers 422)")
     except (ConfigError, ValueError, OSError, KeyError) as error:
         print(f"vega simulate: {error}", file=sys.stderr)
         return EXIT_CONFIG

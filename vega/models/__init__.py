@@ -6,10 +6,11 @@ from vega.models.base import (
     TensorSpec,
     decode_all,
     holds_the_gil,
+    min_length,
     release,
 )
 from vega.models.digest import adopt, identity
 from vega.models.loader import load_model
 
 __all__ = ["ModelAdapter", "SequenceModel", "TensorSpec", "adopt", "decode_all",
-           "holds_the_gil", "identity", "load_model", "release"]
+           "holds_the_gil", "identity", "load_model", "min_length", "release"]

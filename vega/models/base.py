@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 import struct
 import warnings
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import numpy as np
 
 from vega.errors import VegaError, invalid_input
 from vega.models.digest import code_of, identity
+from vega.models.values import all_finite, finite_float32, kind_name
 
 log = logging.getLogger("vega.models")
 
@@ -63,6 +63,11 @@ class ModelAdapter(Protocol):
         """A decoded sample of ``length`` for warm-up and profiling."""
 
 
+def min_length(adapter: ModelAdapter) -> int:
+    """The fewest steps a window may have: an adapter's optional ``min_length``, else 1."""
+    return int(getattr(adapter, "min_length", 1))
+
+
 def decode_all(adapter: ModelAdapter, instances: list[Any]) -> list[tuple[Any, int]]:
     """Each instance decoded, in order; one of several refused says which (from 0)."""
     decoded = []
@@ -81,7 +86,7 @@ class SequenceModel:
     output per window, or one row per timestep (``[B, L, ...]``, found at ``load``), which
     is cut back to each window's own length.
 
-    Instances are windows of L timesteps by C channels (1 <= L <= max_length),
+    Instances are windows of L timesteps by C channels (min_length <= L <= max_length),
     given as nested lists of finite numbers.
     """
 
@@ -90,13 +95,15 @@ class SequenceModel:
     inputs_hint = " (a module's `vega_channels` attribute sets the channels a step)"
 
     def __init__(self, module: Any, name: str, *, channels: int, max_length: int,
-                 version: str = "1", output_size: int = -1, script: bool = False) -> None:
+                 min_length: int = 1, version: str = "1", output_size: int = -1,
+                 script: bool = False) -> None:
         self.module = module
         self.script = script
         self.name = name
         self.version = version
         self.channels = channels
         self.max_length = max_length
+        self.min_length = min_length
         self.inputs: tuple[TensorSpec, ...] = (
             TensorSpec("INPUT__0", "FP32", (-1, channels), accepts=("FP16", "FP64")),)
         self.outputs: tuple[TensorSpec, ...] = (
@@ -116,7 +123,7 @@ class SequenceModel:
             # TorchScript's profiling executor records the first call and compiles on the
             # second: ~300 ms each here, 0.5 ms after. Paid now, no timed pass counts it
             # (warm-up seeding the batch-time predictor, vega profile, bench ceilings).
-            length = min(16, self.max_length)
+            length = max(self.min_length, min(16, self.max_length))
             for _ in range(2):
                 self.try_window(self.example(length))
         self.inspect_outputs()
@@ -160,16 +167,19 @@ class SequenceModel:
         self._check_shortest()
 
     def _check_shortest(self) -> None:
-        """Warn when a one-step window, which is accepted, fails alone: its callers get 500s,
-        and batched with longer windows it is run on their padding instead."""
+        """Warn when the shortest window accepted fails alone: its callers get 500s, and
+        batched with longer windows it is run on their padding instead."""
+        shortest = self.min_length
         try:
-            self.run([self.example(1)], 1)  # as served: a compiled package pads it first
+            self.run([self.example(shortest)], shortest)  # as served: a package pads it
         except Exception as error:
-            log.warning("model %r: a 1-step window fails alone (%s: %s), though windows of "
-                        "1..%d steps are accepted: such requests get 500 model_error, or an "
-                        "answer read off the padding when batched with longer windows. "
-                        "Refuse short windows before they reach the model, or take them",
-                        self.name, type(error).__name__, error, self.max_length)
+            log.warning("model %r: a %d-step window fails alone (%s: %s), though windows of "
+                        "%d..%d steps are accepted: such requests get 500 model_error, or an "
+                        "answer read off the padding when batched with longer windows. Set "
+                        "the module's vega_min_length to the fewest steps it takes (windows "
+                        "shorter are then refused 422), or take them",
+                        self.name, shortest, type(error).__name__, error, shortest,
+                        self.max_length)
 
     def decode(self, instance: Any) -> tuple[Any, int]:
         if isinstance(instance, np.ndarray):
@@ -178,7 +188,7 @@ class SequenceModel:
         if packed is not None:
             return packed, packed.shape[0]
         if not isinstance(instance, list) or not instance:
-            raise invalid_input(f"expected a list of 1..{self.max_length} timesteps, "
+            raise invalid_input(f"expected a list of {self.lengths_taken} timesteps, "
                                 f"each a list of {self.channels} numbers")
         try:
             array = np.asarray(instance)
@@ -196,7 +206,7 @@ class SequenceModel:
         as a number; an all-boolean window, which numpy refuses, starts with one, so
         such a window goes numpy's way.
         """
-        if type(instance) is not list or not 1 <= len(instance) <= self.max_length:
+        if type(instance) is not list or not self.min_length <= len(instance) <= self.max_length:
             return None
         first = instance[0]
         if type(first) is not list or not first or type(first[0]) is bool:
@@ -213,17 +223,22 @@ class SequenceModel:
             return None
         return window if all_finite(window) else None
 
+    @property
+    def lengths_taken(self) -> str:
+        """The window lengths accepted, as refusals word them."""
+        return f"{self.min_length}..{self.max_length}"
+
     def check_array(self, array: np.ndarray) -> tuple[np.ndarray, int]:
         """Validate an already-built array (the binary tensor path skips JSON)."""
         if array.dtype.kind not in "iuf":
-            raise invalid_input(f"expected numbers, got {_kind_name(array)}")
+            raise invalid_input(f"expected numbers, got {kind_name(array)}")
         if array.ndim == 1 and self.channels == 1:  # a univariate series, sent flat
             array = array[:, None]
         if array.ndim != 2 or array.shape[1] != self.channels:
             raise invalid_input(f"expected shape [L, {self.channels}], got {list(array.shape)}")
         length = array.shape[0]
-        if not 1 <= length <= self.max_length:
-            raise invalid_input(f"window length {length} outside 1..{self.max_length}")
+        if not self.min_length <= length <= self.max_length:
+            raise invalid_input(f"window length {length} outside {self.lengths_taken}")
         return finite_float32(array), length
 
     def weights_digest(self) -> str:
@@ -291,9 +306,9 @@ class SequenceModel:
     def probe_lengths(self) -> tuple[int, int] | None:
         """Two window lengths a lone window can be run at, to tell how the output's shape
         follows the length (None: windows of one length only, nothing to tell)."""
-        longer = min(32, self.max_length)
-        shorter = min(16, longer - 1)
-        return (shorter, longer) if shorter >= 1 else None
+        longer = min(max(32, self.min_length + 1), self.max_length)
+        shorter = max(self.min_length, min(16, longer - 1))
+        return (shorter, longer) if shorter < longer else None
 
     def _layout(self, lengths: tuple[int, int], short_shape: tuple[int, ...],
                 long_shape: tuple[int, ...]) -> bool:
@@ -393,55 +408,6 @@ def _scripted(module: Any, name: str) -> Any:
     except Exception as error:  # torch raises many types for code it cannot compile
         log.warning("model %s runs eagerly; TorchScript failed: %s", name, error)
         return module
-
-
-# numpy lets go of the GIL for a loop over more than 500 elements. On the event loop each
-# release hands the GIL to the executor thread and back: a window's cast and check done
-# in one piece cost the loop up to a third of its CPU per request (docs/bench.md).
-HELD_ELEMENTS = 500
-_sum = np.add.reduce
-
-
-def finite_float32(array: np.ndarray) -> np.ndarray:
-    """A 2-D numeric ``array`` as float32, refused if any value is NaN, Inf or too large
-    for float32; converted in row blocks small enough that numpy keeps the GIL."""
-    out = array
-    if array.dtype != np.float32:
-        out = np.empty(array.shape, dtype=np.float32)
-        with np.errstate(over="ignore"):  # a value too large becomes Inf, refused below
-            for rows in _held_blocks(array):
-                out[rows] = array[rows]
-    if not all_finite(out):
-        raise invalid_input("instance holds NaN, Inf or a number too large for float32")
-    return out
-
-
-def all_finite(array: np.ndarray) -> bool:
-    """Whether a 2-D float32 ``array`` holds no NaN or Inf, summed in blocks that numpy
-    keeps the GIL for: a float64 sum of float32 values is finite exactly when each is.
-
-    The ufunc is called itself, in a plain loop: ``ndarray.sum``'s Python wrapper and a
-    generator cost more than the sums.
-    """
-    if not array.flags.c_contiguous:  # flattening would copy it
-        return all(math.isfinite(_sum(array[rows], axis=None, dtype=np.float64))
-                   for rows in _held_blocks(array))
-    flat = array.ravel()
-    for start in range(0, flat.size, HELD_ELEMENTS):
-        if not math.isfinite(_sum(flat[start:start + HELD_ELEMENTS], dtype=np.float64)):
-            return False
-    return True
-
-
-def _held_blocks(array: np.ndarray) -> list[slice]:
-    """Row slices of a 2-D ``array``, each of at most HELD_ELEMENTS values (one row at least)."""
-    step = max(1, HELD_ELEMENTS // max(1, array.shape[1]))
-    return [slice(start, start + step) for start in range(0, array.shape[0], step)]
-
-
-def _kind_name(array: np.ndarray) -> str:
-    return {"b": "booleans", "U": "strings", "S": "bytes", "O": "mixed values"}.get(
-        array.dtype.kind, str(array.dtype))
 
 
 def release(adapter: ModelAdapter) -> None:

@@ -66,12 +66,13 @@ class CompiledModel(SequenceModel):
         try:
             channels, max_length, output_size, multiple, least = (
                 int(metadata[PREFIX + f]) for f in FIELDS[1:])
+            shortest = int(metadata.get(PREFIX + "min_length", "1"))  # packages before it: 1
         except ValueError:
             raise PackageError(f"{path}: its Vega metadata is not whole numbers") from None
-        if min(channels, max_length, multiple, least) < 1:
+        if min(channels, max_length, multiple, least, shortest) < 1 or shortest > max_length:
             raise PackageError(f"{path}: its Vega metadata is out of range")
         super().__init__(None, name, channels=channels, max_length=max_length,
-                         output_size=output_size)
+                         min_length=shortest, output_size=output_size)
         self.path = path
         self.length_multiple = multiple
         self.least_length = least
@@ -104,7 +105,7 @@ class CompiledModel(SequenceModel):
         return max(self.least_length, -(-longest // multiple) * multiple)
 
     def probe_lengths(self) -> tuple[int, int] | None:
-        shorter = self.padded_length(1)
+        shorter = self.padded_length(self.min_length)
         longer = self.padded_length(shorter + 1)
         return (shorter, longer) if longer <= self.max_length else None
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vega.models.base import SequenceModel
+from vega.models.base import SequenceModel, min_length
 from vega.models.compiled import FORMAT, PREFIX
 from vega.models.loader import ModelLoadError, default_name, load_model
 from vega.outpath import unwritable
@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     served = default_name(f"aoti:{args.out}")
     rename = "" if served == adapter.name else f" (VEGA_MODEL_NAME={adapter.name} keeps its name)"
-    print(f"wrote {args.out}: model {adapter.name}, lengths 1..{adapter.max_length} "
-          f"padded to a multiple of {multiple} (at least {LEAST * multiple}), "
+    print(f"wrote {args.out}: model {adapter.name}, lengths "
+          f"{min_length(adapter)}..{adapter.max_length} padded to a multiple of {multiple} "
+          f"(at least {LEAST * multiple}), "
           f"for {args.device}, in {time.monotonic() - started:.0f} s; serve it as "
           f"VEGA_MODEL=aoti:{args.out}, named {served}{rename}", file=sys.stderr)
     return 0
@@ -89,7 +90,8 @@ def export_package(adapter: Any, out: Path, *, device: str = "cpu",
         output = module(probe, torch.tensor([multiple], device=device))
     metadata = {"format": FORMAT, "channels": adapter.channels,
                 "max_length": adapter.max_length, "output_size": output[0].numel(),
-                "length_multiple": multiple, "least_length": LEAST * multiple}
+                "length_multiple": multiple, "least_length": LEAST * multiple,
+                "min_length": adapter.min_length}
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         torch._inductor.aoti_compile_and_package(

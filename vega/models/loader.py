@@ -151,21 +151,25 @@ def _user_code_failed(target: str, doing: str, error: Exception) -> ModelLoadErr
 
 
 def _wrap_module(module: Any, name: str) -> ModelAdapter:
-    """A bare torch module: its ``vega_channels``/``vega_max_length``/``vega_version``/
-    ``vega_deterministic`` attributes, else 8/512/"1"/True; one that takes no ``lengths``
-    or holds other than float32 weights, fitted to them."""
+    """A bare torch module: its ``vega_channels``/``vega_max_length``/``vega_min_length``/
+    ``vega_version``/``vega_deterministic`` attributes, else 8/512/1/"1"/True; one that
+    takes no ``lengths`` or holds other than float32 weights, fitted to them."""
     if not callable(module):
         raise ModelLoadError(f"model {name!r} is neither an adapter nor a torch module")
     from vega.models.fitted import fitted
 
     channels = int(getattr(module, "vega_channels", 8))
     max_length = int(getattr(module, "vega_max_length", 512))
+    min_length = int(getattr(module, "vega_min_length", 1))
+    if not 1 <= min_length <= max_length:
+        raise ModelLoadError(f"model {name!r}: vega_min_length {min_length} is not within "
+                             f"1..vega_max_length ({max_length})")
     version = str(getattr(module, "vega_version", "1"))
     if not VERSION.fullmatch(version):  # one segment of /v2/models/{name}/versions/{version}
         raise ModelLoadError(f"model {name!r}: vega_version {version!r} is not 1-64 letters, "
                              "digits, '.', '_' or '-'")
     adapter = SequenceModel(fitted(module), name, channels=channels, max_length=max_length,
-                            version=version)
+                            min_length=min_length, version=version)
     adapter.deterministic = bool(getattr(module, "vega_deterministic", True))  # for the cache
     return adapter
 

@@ -17,7 +17,7 @@ from typing import TypeVar
 from vega.admission import NeverFits
 from vega.config import Settings
 from vega.errors import REFUSALS, VegaError
-from vega.models import ModelAdapter, load_model
+from vega.models import ModelAdapter, load_model, min_length
 from vega.models.loader import ModelLoadError
 from vega.records import PRIORITY_BY_NAME
 
@@ -89,7 +89,7 @@ def first_admitted(order: Sequence[Model], admit: Callable[[Model], Admitted]
 
 def _check_like(spec: str, main: ModelAdapter, fallback: ModelAdapter, side: str) -> None:
     """Raise unless ``fallback`` takes (``side="inputs"``) or answers (``"outputs"``)
-    the tensors ``main`` does, and on inputs, windows at least as long."""
+    the tensors ``main`` does, and on inputs, windows at least as long and as short."""
     ours, theirs = getattr(fallback, side), getattr(main, side)
     if [(t.datatype, t.shape) for t in ours] != [(t.datatype, t.shape) for t in theirs]:
         shapes = ", ".join(f"{a.name}: {list(t.shape)}" for a, specs in
@@ -101,3 +101,7 @@ def _check_like(spec: str, main: ModelAdapter, fallback: ModelAdapter, side: str
         raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: takes windows of at most "
                              f"{fallback.max_length} steps, {main.name!r} of "
                              f"{main.max_length}")
+    if side == "inputs" and min_length(fallback) > min_length(main):
+        raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: takes windows of at least "
+                             f"{min_length(fallback)} steps, {main.name!r} of "
+                             f"{min_length(main)}")
