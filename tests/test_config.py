@@ -63,6 +63,11 @@ def test_precedence_defaults_env_file_environment_flags(tmp_path: Path) -> None:
     ({"VEGA_HOST": ""}, "VEGA_HOST=''"),  # uvicorn would listen on every interface
     ({"VEGA_HOST": "my host"}, "VEGA_HOST='my host'"),
     ({"VEGA_HOST": "10.0.0.1:80"}, "VEGA_HOST='10.0.0.1:80'"),  # the port is VEGA_PORT
+    # A spec's form is a setting (exit 2, not restarted by systemd); whether it loads, not.
+    ({"VEGA_MODEL": "Sensor"}, "VEGA_MODEL='Sensor' is not allowed: expected sensor, "),
+    ({"VEGA_MODEL": "python:mymodel"}, "VEGA_MODEL='python:mymodel'"),
+    ({"VEGA_MODEL": "torchscript:"}, "VEGA_MODEL='torchscript:'"),
+    ({"VEGA_FALLBACK_MODEL": "bogus"}, "VEGA_FALLBACK_MODEL='bogus'"),
 ])
 def test_bad_values_name_the_setting_and_what_is_allowed(env: dict[str, str], named: str) -> None:
     with pytest.raises(ConfigError) as caught:

@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vega.buckets import shares
-from vega.config import Settings, length_bounds
+from vega.buckets import length_bounds, shares
+from vega.config import Settings
 from vega.errors import VegaError, missed_deadline
 from vega.inflight import Inflight
 from vega.queues import JOBS, Queues

@@ -20,6 +20,13 @@ from vega.timing import BatchTimes, Line
 STEP = 8  # bounds are multiples of this many steps
 
 
+def length_bounds(configured: tuple[int, ...], max_length: int,
+                  min_length: int = 1) -> tuple[int, ...]:
+    """The length buckets served: the configured bounds within the model's shortest and
+    longest inputs, and that longest input."""
+    return tuple(b for b in configured if min_length <= b < max_length) + (max_length,)
+
+
 def plan_bounds(bounds: Sequence[int], times: BatchTimes, size: int, padding: float,
                 step: int = STEP, least: int = 1) -> tuple[int, ...]:
     """Upper bounds, the longest kept, within ``padding`` of each other's per-item cost.

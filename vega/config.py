@@ -82,6 +82,16 @@ _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # one part of a host na
 _HOSTNAME = re.compile(rf"{_LABEL}(\.{_LABEL})*\.?")
 
 
+def _model(raw: str) -> str:
+    """A model spec's form (whether it loads is found at start): a typo is a bad setting."""
+    value = raw.strip()
+    kind, _, rest = value.partition(":")
+    if value in ("sensor", "sensor-small") or (kind in ("torchscript", "aoti") and rest) \
+            or (kind == "python" and all(rest.partition(":")[::2])):  # module and attr
+        return value
+    raise ValueError
+
+
 def _host(raw: str) -> str:
     """An IP address or a host name; never empty, which uvicorn would take as every
     interface."""
@@ -192,7 +202,7 @@ class Settings:
         "TCP port (0 = any free port).")
     uds: str = setting("", _text, "a path or empty",
         "Listen on this unix socket instead of host:port.")
-    model: str = setting("sensor", _text,
+    model: str = setting("sensor", _model,
         "sensor, sensor-small, torchscript:PATH, aoti:PATH or python:module:attr",
         "The model this process serves (the default for /v1/infer).")
     model_name: str = setting("", _name, "a name of at most 128 characters, no '/', braces "
@@ -327,7 +337,8 @@ class Settings:
         "How long the answer to an Idempotency-Key is kept for repeats (0 = header ignored).")
     idempotency_max_keys: int = setting("10000", _int(1), "an integer >= 1",
         "Most Idempotency-Key answers kept in this process (oldest dropped first).")
-    fallback_model: str = setting("", _text, "empty, sensor-small or another VEGA_MODEL value",
+    fallback_model: str = setting("", lambda raw: _model(raw) if raw.strip() else "",
+        "empty, sensor-small or another VEGA_MODEL value",
         "A cheaper model for the same inputs, serving degradable classes under pressure.")
     degrade_watermark: float = setting("0.25", _float(0, 1), "a number 0-1",
         "Queue fill of the main model above which degradable requests go to the fallback "
@@ -433,13 +444,6 @@ def _check_together(s: Settings) -> None:
         raise ConfigError(
             f"VEGA_FALLBACK_MODEL={s.fallback_model!r} is not allowed: expected a model "
             f"other than VEGA_MODEL")
-
-
-def length_bounds(configured: tuple[int, ...], max_length: int,
-                  min_length: int = 1) -> tuple[int, ...]:
-    """The length buckets served: the configured bounds within the model's shortest and
-    longest inputs, and that longest input."""
-    return tuple(b for b in configured if min_length <= b < max_length) + (max_length,)
 
 
 def env_file_text() -> str:

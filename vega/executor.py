@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import uvloop
 
-from vega.config import Settings, length_bounds
+from vega.buckets import length_bounds
+from vega.config import Settings
 from vega.errors import VegaError, drain_ran_out
 from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
@@ -84,9 +85,8 @@ def process_plan(s: Settings, adapters: Sequence[ModelAdapter],
                                  f"{type(sample).__name__}, not numpy arrays")
         widest = max(widest, sample.nbytes)
     slot_bytes = max(1 << 20, s.max_batch_size * (widest + ALIGN))
-    warm = tuple((adapter.name, bound, size) for adapter in adapters
-                 for bound in length_bounds(s.length_buckets, adapter.max_length,
-                                            min_length(adapter))
+    warm = tuple((a.name, bound, size) for a in adapters
+                 for bound in length_bounds(s.length_buckets, a.max_length, min_length(a))
                  for size in sorted({1, s.max_batch_size}))
     return ProcessPlan(specs=specs, device=s.device, torch_threads=s.torch_threads,
                        slot_bytes=slot_bytes, timeout_s=s.model_timeout_s, warm_shapes=warm,

@@ -13,8 +13,7 @@ from tests.virtual.test_batcher import (
     item,
 )
 from vega.batcher import Batcher
-from vega.buckets import line_at, per_item_s, plan_bounds, shares
-from vega.config import length_bounds
+from vega.buckets import length_bounds, line_at, per_item_s, plan_bounds, shares
 from vega.timing import BatchTimes
 from vega.warmup import rebucketed, seed_batch_times
 

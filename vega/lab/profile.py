@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vega.config import ConfigError, Settings, length_bounds, load_settings
+from vega.buckets import length_bounds
+from vega.config import ConfigError, Settings, load_settings
 from vega.modelproc.handle import ModelProcessError
 from vega.models.loader import ModelLoadError
 from vega.outpath import unwritable
