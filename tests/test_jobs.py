@@ -55,6 +55,16 @@ async def submit(client: httpx.AsyncClient, body: Any, **headers: str) -> httpx.
     return await client.post("/v1/jobs", content=orjson.dumps(body), headers=headers)
 
 
+async def test_every_job_counter_is_exported_at_0_before_its_first_event() -> None:
+    # rate() and increase() see a counter's first step only from a sample before it.
+    async with served() as (client, _, _):
+        metrics = (await client.get("/metrics")).text
+    for counter in ('vega_jobs_total{model="echo",outcome="done"}',
+                    'vega_jobs_retried_total{model="echo"}',
+                    'vega_jobs_reclaimed_total{model="echo"}'):
+        assert f"{counter} 0.0" in metrics, counter
+
+
 async def test_a_refused_submit_is_counted_under_the_class_it_named() -> None:
     # Refusals kept the default class: a critical 422 or 503 counted as normal, which the
     # per-class refusal panels and the VegaCriticalRefused alert read.

@@ -57,8 +57,11 @@ class JobLane:
             runner = self.runners[name] = JobRunner(self, adapter, batcher, runnable)
             self.stats[name] = Stats()
             self.counts[name] = dict.fromkeys(OUTCOMES, 0)
-            for outcome in OUTCOMES:  # at 0 from the start, so rate() sees the first job end
+            # At 0 from the start, so rate() sees the first job end, retry or reclaim.
+            for outcome in OUTCOMES:
                 self.metrics.jobs_total.labels(name, outcome)
+            self.metrics.jobs_retried.labels(name)
+            self.metrics.jobs_reclaimed.labels(name)
             self._spawn(runner.run(), f"jobs-{name}")
             if self.durable:
                 self._spawn(runner.keep_claims(), f"job-claims-{name}")
