@@ -253,6 +253,23 @@ def patches(name: str) -> Any:
     return Patches().eval()
 
 
+def positions_of_100(name: str) -> Any:
+    """Learned positions for 100 steps, and no ``vega_max_length`` saying so: windows past
+    100 steps fail (the load checks run shorter ones; warm-up's 128-step bucket does not)."""
+    import torch
+
+    class Positions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.positions = torch.nn.Parameter(torch.zeros(100, 8))
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            placed: torch.Tensor = x + self.positions[: x.shape[1]]
+            return placed.sum(dim=1)
+
+    return Positions()
+
+
 def whole_patches_of_16(name: str) -> Any:
     """``patches`` for windows of at least 16 steps."""
     module = patches(name)

@@ -38,6 +38,17 @@ def test_a_warm_up_pass_past_the_model_timeout_names_the_shape(tmp_path: Path) -
     assert "start failed" in log and "warm-up (1 x 16 steps)" in log
 
 
+def test_a_module_failing_on_longer_windows_stops_the_start_naming_the_shape_and_the_fix(
+        tmp_path: Path) -> None:
+    code, log = failed_start(tmp_path, VEGA_MODEL="python:tests.models:positions_of_100",
+                             VEGA_EXECUTOR="auto")
+    assert code == 3  # a model that cannot start, as one that cannot load
+    line = [row for row in log.splitlines() if row.startswith("vega: ")]
+    assert line == [line[0]] and "model 'positions_of_100' failed warming up on a batch of 1 x " \
+        "128 steps (RuntimeError: " in line[0], log
+    assert "windows of 1..512 steps are accepted" in line[0] and "vega_max_length" in line[0]
+
+
 def test_a_model_process_that_loads_past_the_start_timeout_fails_the_start(
         tmp_path: Path) -> None:
     code, log = failed_start(tmp_path, VEGA_MODEL_START_TIMEOUT_S="1",

@@ -125,6 +125,8 @@ def serve(settings: Settings) -> int:
     server = DrainingServer(config, runtime)
     server.run()
     code = EXIT_STARTUP if not server.started or runtime.failed is not None else 0
+    if runtime.failed is not None:  # the log has it too; this is the line an operator reads
+        print(f"vega: {runtime.failed}", file=sys.stderr)
     if runtime.executor.hung:  # the interpreter would wait for its thread at exit
         log.warning("a model thread is still in a batch (a hung model): exiting without it")
         logging.shutdown()

@@ -31,7 +31,7 @@ from vega.pressure.pacing import RefusalPacer
 from vega.records import JOB, PRIORITY_NAMES, SHEDDABLE, Batch, Item, deadline_at
 from vega.status import Reporter
 from vega.streams import Streams
-from vega.warmup import planned, seed_batch_times
+from vega.warmup import planned, seed_batch_times, warm_up_failed
 
 log = logging.getLogger("vega.runtime")
 
@@ -186,6 +186,8 @@ class Runtime:
                                               bound)[1]
             except ModelProcessError as error:  # a shape's first pass may be slow (lazy init)
                 raise ModelProcessError(f"warm-up ({size} x {bound} steps): {error}") from None
+            except Exception as error:  # the model raised: say on what, and what may fix it
+                raise warm_up_failed(adapter, bound, size, error) from error
 
         log.info("model %s: warming up (every batch shape, %d timed pass(es))", adapter.name,
                  self.settings.warmup_batches)

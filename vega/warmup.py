@@ -11,6 +11,10 @@ from typing import TypeVar
 from vega.batcher import Batcher
 from vega.buckets import line_at, plan_bounds
 from vega.config import Settings
+from vega.errors import VegaError
+from vega.modelproc.handle import ModelRaised
+from vega.models import ModelAdapter, min_length
+from vega.models.loader import ModelLoadError
 
 log = logging.getLogger("vega.warmup")
 
@@ -49,6 +53,23 @@ def seed_batch_times(batcher: Batcher, passes: int,
         batcher.times.observe(bucket, size, seconds)
         batcher.rate.observe(size, size * batcher.item_cost(bucket), seconds)
     settle(batcher)
+
+
+def warm_up_failed(adapter: ModelAdapter, bound: int, size: int,
+                   error: Exception) -> Exception:
+    """What stops the start when the model raised on a warm-up batch: the shape it was
+    given, and the setting that may fix it (a draining stop passes as it is)."""
+    if isinstance(error, VegaError):
+        return error
+    if size == 1:
+        hint = (f"windows of {min_length(adapter)}..{adapter.max_length} steps are accepted; "
+                "a module that takes fewer says so with vega_max_length (and vega_min_length)")
+    else:
+        hint = (f"a lone window of {bound} steps ran: VEGA_MAX_BATCH_SIZE may be more than "
+                "it can take")
+    raised = str(error) if isinstance(error, ModelRaised) else f"{type(error).__name__}: {error}"
+    return ModelLoadError(f"model {adapter.name!r} failed warming up on a batch of {size} x "
+                          f"{bound} steps ({raised}): {hint}")
 
 
 def in_turn(shapes: Sequence[T], passes: int) -> Iterator[T]:
