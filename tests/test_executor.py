@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -240,6 +241,59 @@ async def test_a_raising_model_fails_only_its_batch_in_a_model_process() -> None
                                                              "model raised ValueError")
         assert fine.items[0].future.result()[1] == 4.0  # echo: [sum, length, batch size]
         assert executor.available and executor.restarts == 0
+    finally:
+        executor.shutdown()
+
+
+def mixed_batch(model: SequenceModel, firsts: list[float], isolate: bool = True) -> Batch:
+    """One batch of echo windows, item ``i`` starting with ``firsts[i]`` (FAIL_MARK: the
+    model raises on the whole batch holding it), each of its own length."""
+    loop = asyncio.get_running_loop()
+    items = []
+    for length, first in enumerate(firsts, start=2):
+        rows = window(length)
+        rows[0][0] = first
+        items.append(Item(sample=model.decode(rows)[0], length=length, priority=1,
+                          deadline=loop.time() + 60, future=loop.create_future()))
+    return Batch(model="echo", bucket=0, items=items, pad_to=len(firsts) + 1, isolate=isolate)
+
+
+async def settled(batch: Batch) -> list[Any]:
+    """Each item's answer, or the code of the VegaError it got."""
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in batch.items),
+                                          return_exceptions=True), 20)
+    return [i.future.exception().code if i.future.exception() else  # type: ignore[union-attr]
+            i.future.result()[:2].tolist() for i in batch.items]
+
+
+@pytest.mark.parametrize("way", ["thread", "process"])
+async def test_only_the_input_the_model_raises_on_fails_its_batch_mates_are_answered(
+        way: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    passes = tmp_path / "passes"
+    monkeypatch.setenv("TEST_FORWARD_LOG", str(passes))  # read as the model is built
+    executor, model = await executor_running(way)
+
+    def ran() -> list[str]:  # the batch sizes run since the load's own passes
+        return passes.read_text().split()[loaded:]
+
+    loaded = len(passes.read_text().split())
+    try:
+        batch = mixed_batch(model, [0.5, 0.5, 0.5, FAIL_MARK, 0.5, 0.5])
+        await executor.run(batch)
+        answers = await settled(batch)
+        # echo answers [sum of the window, its length]: each its own, as if run alone
+        alone = [[0.5 * (8 * n - 1) + 0.5, float(n)] for n in range(2, 8)]
+        assert answers == alone[:3] + ["model_error"] + alone[4:]
+        # 6 fails; 3 | 3 fail, run; then 2 | 1 and 1 | 1: the input alone in the end
+        assert ran() == ["6", "3", "3", "2", "1", "1", "1"]
+        broken = mixed_batch(model, [FAIL_MARK] * 4)  # no one input's fault: not rerun down
+        await executor.run(broken)
+        assert await settled(broken) == ["model_error"] * 4
+        assert ran()[7:] == ["4", "2", "2"]
+        peers = mixed_batch(model, [0.5, FAIL_MARK], isolate=False)  # a peer's: answered whole
+        await executor.run(peers)
+        assert await settled(peers) == ["model_error"] * 2
+        assert ran()[10:] == ["2"]
     finally:
         executor.shutdown()
 

@@ -170,6 +170,26 @@ async def test_model_error_is_500_for_that_batch_only(echo: httpx.AsyncClient) -
     assert (await echo.get("/readyz")).status_code == 200
 
 
+async def test_a_window_the_model_raises_on_fails_only_its_caller_not_its_batch_mates(
+        echo: httpx.AsyncClient) -> None:
+    hang = window(8)
+    hang[0][0] = -FAIL_MARK  # holds the model 0.6 s: the callers below queue as one batch
+    holding = asyncio.ensure_future(post(echo, {"inputs": hang}))
+    await asyncio.sleep(0.1)
+    bad = window(8, value=1.0)
+    bad[0][0] = FAIL_MARK
+    bodies = [{"inputs": window(n)} for n in (3, 5, 7)] + [{"inputs": bad}] + \
+        [{"inputs": window(n)} for n in (9, 11)]
+    answers = await asyncio.gather(*(post(echo, body) for body in bodies))
+    assert (await holding).status_code == 200
+    assert [a.status_code for a in answers] == [200, 200, 200, 500, 200, 200]
+    assert error_of(answers[3]) == "model_error"
+    sizes = [outputs_of(a)[2] for a in answers if a.status_code == 200]
+    assert sizes[0] == 3.0  # echo: [sum, length, batch size]: answered by a rerun's half
+    assert [outputs_of(a)[:2] for a in answers if a.status_code == 200] == [
+        [0.5 * 8 * n, float(n)] for n in (3, 5, 7, 9, 11)]
+
+
 async def test_deadline_passing_while_running_is_504(echo: httpx.AsyncClient) -> None:
     hang = window(8)
     hang[0][0] = -FAIL_MARK

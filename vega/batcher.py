@@ -302,7 +302,7 @@ class Batcher(Queues):
         finish = (now if run is None else max(now, run[1])) + self.times.predict(top, size)
         self._take(given, items, finish, now, lifo, behind)
         pad_to = max((item.length for item in items), default=0)
-        return Batch(model=self.config.model, bucket=top, items=items,
+        return Batch(model=self.config.model, bucket=top, items=items, isolate=True,
                      pad_to=pad_to if self.config.pad is None else self.config.pad(pad_to))
 
     def _shares(self, bucket: int) -> dict[int, int]:

@@ -33,14 +33,15 @@ import uvloop
 
 from vega.buckets import length_bounds
 from vega.config import Settings
-from vega.errors import VegaError, drain_ran_out
+from vega.errors import drain_ran_out
 from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
 from vega.modelproc.handle import Answered, Lane
 from vega.modelproc.slot import ALIGN
 from vega.models import ModelAdapter, adopt, holds_the_gil, identity, min_length, release
 from vega.models.loader import ModelLoadError
-from vega.records import JOB, Batch
+from vega.records import Batch
+from vega.settle import Settler
 
 STOP_WAIT_S = 2.0  # at a stop, how long a batch still running may take to end
 
@@ -142,6 +143,7 @@ class Executor:
         self._loop: asyncio.AbstractEventLoop | None = None  # driving the model processes
         self._free: list[Lane] = []  # lanes of the model processes with no batch in them
         self._waiting: deque[_Job] = deque()
+        self._settler = Settler(self.run)  # answers a batch's items, or runs parts again
         if plan is None:
             in_thread = InThread(self.models)
             for _ in range(threads):
@@ -232,7 +234,7 @@ class Executor:
 
     def run(self, batch: Batch) -> asyncio.Future[None]:
         """Run ``batch``; the returned future settles as it ends, with its items' futures,
-        except a failed job batch's: those items then run again alone, settled later."""
+        except a failed batch's that runs again in parts (vega.settle): settled later."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         if self._plan is None:
@@ -282,20 +284,7 @@ class Executor:
             error, outputs = miscount, None
         if error is None:  # a failed batch's time is no batch time to predict from
             batch.infer_s = held_s
-        self._resolve(batch, outputs, error, done)
-
-    def _resolve(self, batch: Batch, outputs: list[Any] | None, error: BaseException | None,
-                 done: asyncio.Future[None]) -> None:
-        if error is not None and not isinstance(error, VegaError) and batch.size > 1 \
-                and batch.items[0].priority == JOB:
-            # One job's input can fail a batch of several: each runs again alone, so only
-            # the job that fails alone fails (a job's retry would meet the same company).
-            _resolve(batch, [], None, done)
-            for item in batch.items:
-                self.run(Batch(model=batch.model, bucket=batch.bucket, items=[item],
-                               pad_to=batch.pad_to))
-            return
-        _resolve(batch, outputs, error, done)
+        self._settler.ended(batch, outputs, error, done)
 
     def _work(self, loop: asyncio.AbstractEventLoop, batch: Batch,
               done: asyncio.Future[None]) -> None:
@@ -324,7 +313,7 @@ class Executor:
                 self._running -= 1
                 self.busy_s += held_s or time.perf_counter() - began
         try:
-            loop.call_soon_threadsafe(self._resolve, batch, outputs, error, done)
+            loop.call_soon_threadsafe(self._settler.ended, batch, outputs, error, done)
         except RuntimeError:  # the loop closed during shutdown; nobody is waiting
             pass
 
@@ -391,7 +380,7 @@ class Executor:
                 continue
             loop, done = claimed
             try:
-                loop.call_soon_threadsafe(self._resolve, batch, None, drain_ran_out(), done)
+                loop.call_soon_threadsafe(self._settler.ended, batch, None, drain_ran_out(), done)
             except RuntimeError:  # the loop closed during shutdown; nobody is waiting
                 pass
 
@@ -426,35 +415,3 @@ def _miscount(outputs: list[Any], size: int) -> RuntimeError | None:
     if len(outputs) == size:
         return None
     return RuntimeError(f"{len(outputs)} outputs for {size} inputs")
-
-
-def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | None,
-             done: asyncio.Future[None]) -> None:
-    # The batcher hears of the end first, here and not from ``done``'s callback, which
-    # runs behind every handler the loop has queued: so the next batch reaches the free
-    # thread or lane before this one's answers are written.
-    try:
-        if batch.on_end is not None:
-            batch.on_end(batch)
-    finally:
-        _settle(batch, outputs, error, done)
-
-
-def _settle(batch: Batch, outputs: list[Any] | None, error: BaseException | None,
-            done: asyncio.Future[None]) -> None:
-    if not done.done():
-        done.set_result(None)
-    if error is None and outputs is not None:
-        for item, output in zip(batch.items, outputs):
-            if not item.future.done():
-                item.infer_s = batch.infer_s
-                item.future.set_result(output)
-        return
-    if isinstance(error, VegaError):  # not run at all: no model process is up
-        failure = error
-    else:
-        log.error("model %s failed on batch %d of %d: %r", batch.model, batch.id,
-                  batch.size, error)
-        kind = getattr(error, "kind", type(error).__name__)  # in a model process: its report
-        failure = VegaError("model_error", f"model raised {kind}")
-    batch.fail(failure)

@@ -80,6 +80,9 @@ class Batch:
     # Set by the batcher; whoever runs the batch calls it on the loop as soon as the batch
     # has ended, before its items are answered (so the next batch goes first).
     on_end: Callable[[Batch], None] | None = field(default=None, repr=False)
+    # Formed here: failed, it runs again in parts, so that only the input the model raised
+    # on fails (vega.rerun); a peer's batch is answered whole.
+    isolate: bool = False
     id: int = field(default_factory=lambda: next(_ids))
 
     @property
