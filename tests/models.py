@@ -270,6 +270,11 @@ def positions_of_100(name: str) -> Any:
     return Positions()
 
 
+def patch_means(name: str) -> Any:
+    """A fallback for ``patches``: its answer's shape ([B, 4]) for windows of any length."""
+    return _linear(8, 4, mean=True)
+
+
 def whole_patches_of_16(name: str) -> Any:
     """``patches`` for windows of at least 16 steps."""
     module = patches(name)
@@ -295,16 +300,21 @@ def float64(name: str) -> Any:
 
 def three_channels(name: str) -> Any:
     """Steps of 3 channels, without the ``vega_channels`` attribute that would say so."""
+    return _linear(3, 2)
+
+
+def _linear(channels: int, width: int, mean: bool = False) -> Any:
+    """Each step mapped linearly to ``width`` values, summed over the window (or averaged)."""
     import torch
 
     class Linear(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.linear = torch.nn.Linear(3, 2)
+            self.linear = torch.nn.Linear(channels, width)
 
         def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
             summed: torch.Tensor = self.linear(x).sum(dim=1)
-            return summed
+            return summed / lengths[:, None] if mean else summed
 
     return Linear()
 

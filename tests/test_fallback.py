@@ -132,6 +132,26 @@ async def test_a_degraded_answer_is_marked_and_not_cached_on_either_protocol() -
     assert [r.headers["x-vega-cache"] for r in kept] == ["miss", "hit"]  # critical: the main's
 
 
+async def test_a_degraded_window_the_main_model_would_refuse_is_refused_all_the_same() -> None:
+    # patches takes 8..256 steps, its fallback any length: a caller's answer or refusal must
+    # not hang on whether the server was loaded enough to degrade it.
+    env = {"VEGA_MODEL": "python:tests.models:patches",
+           "VEGA_FALLBACK_MODEL": "python:tests.models:patch_means",
+           "VEGA_DEGRADE_WATERMARK": "0"}  # every degradable request goes to the fallback
+    tensor = {"name": "INPUT__0", "datatype": "FP32", "shape": [1, 3, 8], "data": [0.5] * 24}
+    async with in_process(env) as (client, _runtime):
+        fine = await client.post("/v1/infer", json={"inputs": window(16)})
+        assert fine.status_code == 200 and fine.headers["x-vega-degraded"] == "1"
+        for length in (3, 300):
+            short = await client.post("/v1/infer", json={"inputs": window(length)})
+            assert short.status_code == 422, short.text
+            assert f"window length {length} outside 8..256" in short.text
+        both = await client.post("/v1/infer", json={"instances": [window(9), window(2)]})
+        assert both.status_code == 422 and "instance 1: window length 2" in both.text
+        v2 = await client.post("/v2/models/patches/infer", json={"inputs": [tensor]})
+        assert v2.status_code == 422 and "outside 8..256" in v2.text
+
+
 async def test_a_fallback_that_answers_in_another_shape_is_refused_at_start() -> None:
     # Known only once both are loaded: one row per step against one number per window.
     env = {**BASE, "VEGA_MODEL": "python:tests.models:per_step",

@@ -25,7 +25,7 @@ from vega.metrics import Metrics
 from vega.modelproc.handle import ModelProcessError
 from vega.models import ModelAdapter, decode_all, load_model, min_length
 from vega.pressure.capacity import Capacity, CapacityConfig, sample_forever
-from vega.pressure.fallback import Fallback, first_admitted, load_fallback
+from vega.pressure.fallback import Fallback, check_lengths, first_admitted, load_fallback
 from vega.pressure.looplag import LoopLag
 from vega.pressure.pacing import RefusalPacer
 from vega.records import JOB, PRIORITY_NAMES, SHEDDABLE, Batch, Item, deadline_at
@@ -292,6 +292,8 @@ class Runtime:
         batcher = served.batcher
         try:
             decoded = decode_all(served.adapter, instances)
+            if served is not asked:
+                check_lengths(asked.adapter, decoded)
         except VegaError:
             served.admission.refund(costs)
             raise

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from vega.admission import NeverFits
 from vega.config import Settings
-from vega.errors import REFUSALS, VegaError
+from vega.errors import REFUSALS, VegaError, invalid_input
 from vega.models import ModelAdapter, load_model, min_length
 from vega.models.loader import ModelLoadError
 from vega.records import PRIORITY_BY_NAME
@@ -105,3 +105,14 @@ def _check_like(spec: str, main: ModelAdapter, fallback: ModelAdapter, side: str
         raise ModelLoadError(f"VEGA_FALLBACK_MODEL={spec!r}: takes windows of at least "
                              f"{min_length(fallback)} steps, {main.name!r} of "
                              f"{min_length(main)}")
+
+
+def check_lengths(main: ModelAdapter, decoded: Sequence[tuple[object, int]]) -> None:
+    """Refuse (422) a window ``main`` would refuse, though the fallback took it: a degraded
+    request gets the answer or the refusal of the model it asked for."""
+    least = min_length(main)
+    for index, (_, length) in enumerate(decoded):
+        if not least <= length <= main.max_length:
+            where = f"instance {index}: " if len(decoded) > 1 else ""
+            raise invalid_input(f"{where}window length {length} outside "
+                                f"{least}..{main.max_length}")
