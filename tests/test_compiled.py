@@ -17,6 +17,7 @@ import pytest
 
 from tests.models import encoder_small, per_step
 from tests.servers import VegaProcess, served_device
+from vega.errors import VegaError
 from vega.models import SequenceModel, load_model
 from vega.models.compiled import CompiledModel, PackageError, read_metadata
 from vega.models.export import ExportError, _agrees, export_package
@@ -173,6 +174,24 @@ def test_a_per_step_package_answers_each_window_its_own_rows(tmp_path: Path) -> 
         np.testing.assert_allclose(rows, eager.run([sample], sample.shape[0])[0], atol=1e-5)
 
 
+def test_a_module_that_needs_its_min_length_is_compiled_and_keeps_it(tmp_path: Path) -> None:
+    out = tmp_path / "patches.pt2"
+    done = export("--model", "python:tests.models:patches", "--out", str(out), "--device", KIND)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lengths 8..256" in done.stderr
+    model = load_model(f"aoti:{out}")
+    model.load(DEVICE)
+    assert isinstance(model, CompiledModel) and (model.min_length, model.max_length) == (8, 256)
+    with pytest.raises(VegaError, match="outside 8..256"):
+        model.decode(np.ones((7, 8)).tolist())
+    eager = load_model("python:tests.models:patches")
+    eager.load(DEVICE)
+    rng = np.random.default_rng(8)
+    samples = [model.decode(rng.standard_normal((n, 8)).tolist())[0] for n in (8, 13, 100, 256)]
+    for sample, got in zip(samples, model.run(samples, 256)):
+        np.testing.assert_allclose(got, eager.run([sample], sample.shape[0])[0], atol=1e-5)
+
+
 def test_a_half_precision_answer_agrees_to_its_own_precision() -> None:
     # A compiler that sums in another order differs in float16's last place, which a
     # float32 tolerance refused: `vega export` refused every float16 module.
@@ -184,6 +203,6 @@ def test_a_half_precision_answer_agrees_to_its_own_precision() -> None:
     def compiled(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return (x * 0.1).sum(-1).half()  # summed in float32, then rounded
 
-    shape: Any = SimpleNamespace(max_length=32, channels=8)
+    shape: Any = SimpleNamespace(max_length=32, min_length=1, channels=8)
     assert _agrees(compiled, halves, shape, 1, "cpu")
     assert not _agrees(lambda x, lengths: halves(x, lengths) + 0.01, halves, shape, 1, "cpu")

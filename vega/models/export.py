@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     rename = "" if served == adapter.name else f" (VEGA_MODEL_NAME={adapter.name} keeps its name)"
     print(f"wrote {args.out}: model {adapter.name}, lengths "
           f"{min_length(adapter)}..{adapter.max_length} padded to a multiple of {multiple} "
-          f"(at least {LEAST * multiple}), "
+          f"(at least {multiple * _least(min_length(adapter), multiple)}), "
           f"for {args.device}, in {time.monotonic() - started:.0f} s; serve it as "
           f"VEGA_MODEL=aoti:{args.out}, named {served}{rename}", file=sys.stderr)
     return 0
@@ -85,12 +85,13 @@ def export_package(adapter: Any, out: Path, *, device: str = "cpu",
     except (RuntimeError, AssertionError) as error:  # torch asserts when CUDA is missing
         raise ExportError(f"--device {device}: {error}") from None
     program, multiple = _trace(module, adapter, device, multiples)
-    probe = torch.from_numpy(adapter.example(multiple)[None]).to(device)
+    least = multiple * _least(adapter.min_length, multiple)
+    probe = torch.from_numpy(adapter.example(least)[None]).to(device)
     with torch.inference_mode():
-        output = module(probe, torch.tensor([multiple], device=device))
+        output = module(probe, torch.tensor([least], device=device))
     metadata = {"format": FORMAT, "channels": adapter.channels,
                 "max_length": adapter.max_length, "output_size": output[0].numel(),
-                "length_multiple": multiple, "least_length": LEAST * multiple,
+                "length_multiple": multiple, "least_length": least,
                 "min_length": adapter.min_length}
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -119,10 +120,11 @@ def _trace(module: Any, adapter: SequenceModel, device: str,
     failure = ""
     for multiple in multiples:
         # torch wants a range, not one value: a short model's top multiples reach past it.
-        steps = Dim("steps", min=LEAST, max=max(LEAST + 1, -(-adapter.max_length // multiple)))
-        length = multiple * max(LEAST, example_length // multiple)
+        least = _least(adapter.min_length, multiple)
+        steps = Dim("steps", min=least, max=max(least + 1, -(-adapter.max_length // multiple)))
+        length = multiple * max(least, example_length // multiple)
         x = torch.from_numpy(adapter.example(length)[None].repeat(2, 0)).to(device)
-        lengths = torch.tensor([length, max(1, length // 2)], device=device)
+        lengths = torch.tensor([length, max(adapter.min_length, length // 2)], device=device)
         try:
             with torch.inference_mode():
                 program = torch.export.export(
@@ -139,6 +141,11 @@ def _trace(module: Any, adapter: SequenceModel, device: str,
                       f"that are a multiple of {multiples[-1]}: {failure}")
 
 
+def _least(shortest: int, multiple: int) -> int:
+    """The fewest multiples a padded batch holds: two, and the model's shortest window."""
+    return max(LEAST, -(-shortest // multiple))
+
+
 def _agrees(candidate: Any, module: Any, adapter: SequenceModel, multiple: int,
             device: str) -> bool:
     """Whether ``candidate`` answers as ``module`` for batches padded to the least length,
@@ -146,14 +153,17 @@ def _agrees(candidate: Any, module: Any, adapter: SequenceModel, multiple: int,
     longest length."""
     import torch
 
-    longest = multiple * max(LEAST, -(-adapter.max_length // multiple))
-    pads = sorted({min(multiple * n, longest) for n in (LEAST, 3, 5, 7, 9, 15)} | {longest})
+    least = _least(adapter.min_length, multiple)
+    longest = multiple * max(least, -(-adapter.max_length // multiple))
+    pads = sorted({min(multiple * n, longest) for n in (least, 3, 5, 7, 9, 15) if n >= least}
+                  | {longest})
     generator = torch.Generator().manual_seed(0)
     try:
         with torch.inference_mode():
             for pad in pads:
                 x = torch.randn(3, pad, adapter.channels, generator=generator).to(device)
-                lengths = torch.tensor([pad, max(1, pad // 2), 1], device=device)
+                shortest = adapter.min_length  # a window as short as is accepted
+                lengths = torch.tensor([pad, max(shortest, pad // 2), shortest], device=device)
                 expected = module(x, lengths)
                 # To the output's own precision: float16 differs in its last place when
                 # the compiler orders the sums otherwise.
