@@ -65,6 +65,23 @@ async def test_every_job_counter_is_exported_at_0_before_its_first_event() -> No
         assert f"{counter} 0.0" in metrics, counter
 
 
+async def test_a_job_its_runner_s_model_refuses_is_put_back_for_another_process() -> None:
+    # Submitted where the model took 2-step windows, claimed where it takes 8 and more (a
+    # rolling change of vega_min_length): another process may run it, so it goes back,
+    # and fails with the reason only once every attempt was refused.
+    async with in_process({"VEGA_MODEL": "python:tests.models:patches",
+                           "VEGA_MAX_ATTEMPTS": "3"}) as (client, runtime):
+        now = wall_ms()
+        job = Job(id=new_id(), model="patches", single=True, priority=0, created_ms=now,
+                  expires_ms=now + 60_000, instances=orjson.dumps([window(2)]))
+        await runtime.jobs.store.submit(job, None, "", 100)
+        final = await until_final(client, job.id)
+        assert final["status"] == "failed" and final["error"]["code"] == "invalid_input"
+        assert "window length 2 outside 8..256" in final["error"]["message"]
+        stored = await runtime.jobs.store.get("patches", job.id)
+        assert stored is not None and stored.attempts == 3
+
+
 async def test_a_refused_submit_is_counted_under_the_class_it_named() -> None:
     # Refusals kept the default class: a critical 422 or 503 counted as normal, which the
     # per-class refusal panels and the VegaCriticalRefused alert read.

@@ -147,6 +147,11 @@ class JobRunner:
             decoded = decode_all(self.adapter, instances)
         except (VegaError, orjson.JSONDecodeError) as error:
             message = error.message if isinstance(error, VegaError) else "inputs are not JSON"
+            if isinstance(error, VegaError) and job.attempts < self.lane.max_attempts:
+                # Its inputs passed the check at submit: this process's model takes other
+                # windows than the submitter's (vega_min_length, say), and another may run it.
+                self._spawn(self.lane.store.retry(job))
+                return
             self._spawn(self._end(job, FAILED, error={"code": "invalid_input",
                                                       "message": message}))
             return
