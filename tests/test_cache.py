@@ -16,7 +16,9 @@ from tests.infra import RedisServer
 from tests.models import forwarded, window
 from tests.servers import VegaProcess, wait_until
 from vega.config import load_settings
+from vega.models import identity, load_model
 from vega.pressure.cache import ENTRY_OVERHEAD, LruBytes, cache_key, models_to_cache
+from vega.server import _cached_as
 
 ECHO = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_LENGTH_BUCKETS": "16",
         "VEGA_CACHE_BYTES": "1000000"}
@@ -171,3 +173,12 @@ def test_new_weights_under_the_same_version_share_no_answers(
     assert redeployed.json()["outputs"] != first.json()["outputs"]
     again = httpx.post(old.url + "/v1/infer", content=body)
     assert again.headers["x-vega-cache"] == "hit" and again.content == first.content
+
+
+def test_processes_taking_other_window_lengths_share_no_cached_answer() -> None:
+    # The same weights and code, one taking windows of 8 steps and more, one of 16: a
+    # 10-step window the second refuses must not be answered it from the first's entry.
+    eight, sixteen = (load_model(f"python:tests.models:{name}", "patches")
+                      for name in ("patches", "whole_patches_of_16"))
+    assert identity(eight) == identity(sixteen)  # overflow: declined per batch instead
+    assert _cached_as(eight) != _cached_as(sixteen)

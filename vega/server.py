@@ -80,7 +80,7 @@ class Relief:
         shared = s.redis_url and (s.idempotency_ttl_s > 0 or s.cache_redis_ttl_s > 0)
         self.side = SideRedis(s.redis_url, s.redis_timeout_ms / 1000) if shared else None
         self.adapters = adapters = runtime.executor.models
-        models = {name: identity(adapters[name]) for name in models_to_cache(s, adapters)}
+        models = {name: _cached_as(adapters[name]) for name in models_to_cache(s, adapters)}
         self.cache = ResponseCache(s.cache_bytes, models, runtime.metrics, self.side,
                                    s.cache_redis_ttl_s) if models else None
         if self.cache is not None:
@@ -93,7 +93,7 @@ class Relief:
         process's copy may differ from the one built here."""
         if error is None and self.cache is not None:
             known = self.cache.models
-            known.update({name: identity(self.adapters[name]) for name in known})
+            known.update({name: _cached_as(self.adapters[name]) for name in known})
 
     def around(self, runtime: Runtime) -> Handler:
         return idempotent(self.idempotency, cached(self.cache, core(runtime)))
@@ -113,6 +113,12 @@ class Relief:
             await self.cache.close()
         if self.side is not None:
             await self.side.close()
+
+
+def _cached_as(adapter: ModelAdapter) -> str:
+    """What a model's cached answers are keyed by: its identity, and the windows it takes
+    (a process that would refuse a window is not answered it from a peer's entry)."""
+    return f"{identity(adapter)}:{min_length(adapter)}..{adapter.max_length}"
 
 
 def describe(adapter: ModelAdapter, settings: Settings) -> dict[str, Any]:
