@@ -67,6 +67,8 @@ def test_precedence_defaults_env_file_environment_flags(tmp_path: Path) -> None:
     ({"VEGA_MODEL": "Sensor"}, "VEGA_MODEL='Sensor' is not allowed: expected sensor, "),
     ({"VEGA_MODEL": "python:mymodel"}, "VEGA_MODEL='python:mymodel'"),
     ({"VEGA_MODEL": "torchscript:"}, "VEGA_MODEL='torchscript:'"),
+    ({"VEGA_MODEL": "python:models:build:x"}, "VEGA_MODEL='python:models:build:x'"),
+    ({"VEGA_MODEL": "python:my models:build"}, "VEGA_MODEL='python:my models:build'"),
     ({"VEGA_FALLBACK_MODEL": "bogus"}, "VEGA_FALLBACK_MODEL='bogus'"),
 ])
 def test_bad_values_name_the_setting_and_what_is_allowed(env: dict[str, str], named: str) -> None:

@@ -411,7 +411,8 @@ def test_command_refuses_a_bad_setting(tmp_path: Path, capsys: pytest.CaptureFix
     latency.write_text(json.dumps({**PROFILE, "min_length": 8}))  # vega_min_length = 8
     args = parser.parse_args(["--latency", str(latency), "--lengths", "4"])
     assert simulate.run(args) == simulate.EXIT_CONFIG
-    assert f"the profile's model takes 8..{longest}" in capsys.readouterr().err
+    assert f"the profile's model takes 8..{longest} (a server answers 422); give --lengths " \
+        "within it" in capsys.readouterr().err
     latency.write_text(json.dumps(PROFILE))
     broken: list[Any] = [[1, 2], {"buckets": [], "sizes": [], "seconds": {}}]
     for doc in broken:

@@ -80,6 +80,7 @@ def _text(raw: str) -> str:
 
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # one part of a host name
 _HOSTNAME = re.compile(rf"{_LABEL}(\.{_LABEL})*\.?")
+_TARGET = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*:[^\W\d]\w*")  # python:package.module:attr
 
 
 def _model(raw: str) -> str:
@@ -87,7 +88,7 @@ def _model(raw: str) -> str:
     value = raw.strip()
     kind, _, rest = value.partition(":")
     if value in ("sensor", "sensor-small") or (kind in ("torchscript", "aoti") and rest) \
-            or (kind == "python" and all(rest.partition(":")[::2])):  # module and attr
+            or (kind == "python" and _TARGET.fullmatch(rest) is not None):
         return value
     raise ValueError
 
@@ -441,9 +442,8 @@ def _check_together(s: Settings) -> None:
             raise ConfigError(f"VEGA_{name}={value} is not allowed: expected a number "
                               f"<= VEGA_{bound} ({limit})")
     if s.fallback_model and s.fallback_model == s.model:
-        raise ConfigError(
-            f"VEGA_FALLBACK_MODEL={s.fallback_model!r} is not allowed: expected a model "
-            f"other than VEGA_MODEL")
+        raise ConfigError(f"VEGA_FALLBACK_MODEL={s.fallback_model!r} is not allowed: "
+                          "expected a model other than VEGA_MODEL")
 
 
 def env_file_text() -> str:

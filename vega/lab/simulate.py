@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
         if sent and not latency.min_length <= min(sent) <= max(sent) <= latency.max_length:
             raise ValueError(f"windows of {min(sent)}..{max(sent)} steps: the profile's model "
                              f"takes {latency.min_length}..{latency.max_length} (a server "
-                             "answers 422)")
+                             "answers 422); give --lengths within it")
     except (ConfigError, ValueError, OSError, KeyError) as error:
         print(f"vega simulate: {error}", file=sys.stderr)
         return EXIT_CONFIG

@@ -177,7 +177,8 @@ class SequenceModel:
                         "%d..%d steps are accepted: such requests get 500 model_error, or an "
                         "answer read off the padding when batched with longer windows. Set "
                         "the module's vega_min_length to the fewest steps it takes (windows "
-                        "shorter are then refused 422), or take them",
+                        "shorter are then refused 422; in __init__ for TorchScript), or take "
+                        "them",
                         self.name, shortest, type(error).__name__, error, shortest,
                         self.max_length)
 
