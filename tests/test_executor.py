@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ from tests.infra import unavailable
 from tests.models import FAIL_MARK, echo, encoder, per_patch, per_step, window, window_sum
 from tests.servers import VegaProcess, metric, served_device, wait_until
 from tests.virtual.test_batcher import config, item
+from vega import settle
 from vega.batcher import Batcher
 from vega.config import load_settings
 from vega.errors import VegaError
@@ -286,14 +288,57 @@ async def test_only_the_input_the_model_raises_on_fails_its_batch_mates_are_answ
         assert answers == alone[:3] + ["model_error"] + alone[4:]
         # 6 fails; 3 | 3 fail, run; then 2 | 1 and 1 | 1: the input alone in the end
         assert ran() == ["6", "3", "3", "2", "1", "1", "1"]
-        broken = mixed_batch(model, [FAIL_MARK] * 4)  # no one input's fault: not rerun down
+        broken = mixed_batch(model, [FAIL_MARK] * 4)  # every input: 2N - 1 passes at most
         await executor.run(broken)
         assert await settled(broken) == ["model_error"] * 4
-        assert ran()[7:] == ["4", "2", "2"]
+        assert ran()[7:] == ["4", "2", "2", "1", "1", "1", "1"]
         peers = mixed_batch(model, [0.5, FAIL_MARK], isolate=False)  # a peer's: answered whole
         await executor.run(peers)
         assert await settled(peers) == ["model_error"] * 2
-        assert ran()[10:] == ["2"]
+        assert ran()[14:] == ["2"]
+    finally:
+        executor.shutdown()
+
+
+async def test_a_model_error_quoting_a_huge_input_fails_its_input_not_the_model_process(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A reply past the pipe's buffer was read half, and the process taken for dead: killed.
+    spec = "python:tests.models:loud"
+    model = load_model(spec, "loud")
+    assert isinstance(model, SequenceModel)
+    executor = Executor({"loud": model}, plan=plan(spec, "loud"))
+    await asyncio.get_running_loop().run_in_executor(None, executor.load, DEVICE)
+    try:
+        batch = mixed_batch(model, [0.5, FAIL_MARK])
+        batch.model = "loud"
+        with caplog.at_level("ERROR", logger="vega.executor"):
+            await executor.run(batch)
+            answers = await settled(batch)
+        assert answers[1] == "model_error" and answers[0] != "model_error"
+        assert executor.available and executor.restarts == 0
+        [line] = [r.getMessage() for r in caplog.records if "raised on a batch" in r.getMessage()]
+        assert "ValueError: bad input: 0.5" in line and line.endswith("... (cut)")
+        assert len(line) < 1200
+    finally:
+        executor.shutdown()
+
+
+async def test_a_model_s_failures_are_logged_once_a_second_with_a_count(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = echo("echo")
+    model.load(DEVICE)
+    executor = Executor({"echo": model})
+    clock = [100.0]
+    monkeypatch.setattr(settle, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    try:
+        with caplog.at_level("ERROR", logger="vega.executor"):
+            for _ in range(3):  # a flood of inputs it raises on, each alone
+                await executor.run(mixed_batch(model, [FAIL_MARK]))
+            clock[0] += 1.0
+            await executor.run(mixed_batch(model, [FAIL_MARK]))
+        lines = [r.getMessage() for r in caplog.records if "raised on a batch" in r.getMessage()]
+        assert len(lines) == 2 and "more batch" not in lines[0]
+        assert lines[1].endswith("(and on 2 more batch(es) since the last line)")
     finally:
         executor.shutdown()
 

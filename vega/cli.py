@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from vega import LOG_FORMAT
 from vega.acceptor import BatchAcceptor
 from vega.config import SPECS, ConfigError, Settings, load_settings
 
@@ -105,7 +106,7 @@ def serve(settings: Settings) -> int:
     # yield only while a thread is waiting (docs/tuning.md has the measurements).
     sys.setswitchinterval(0.0001)
     logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=LOG_FORMAT)
     warn_oversubscribed(settings)
     why = uds_unusable(settings.uds) if settings.uds else None
     if why is not None:

@@ -24,11 +24,13 @@ from typing import Any
 
 import orjson
 
+from vega import LOG_FORMAT
 from vega.modelproc import slot
 from vega.modelproc.affinity import pin_process
 from vega.models.digest import identity
 
 log = logging.getLogger("vega.modelproc")
+SAID_CHARS = 1000  # of a model's error message, in a reply and in the log
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class ChildConfig:
     lanes: int = 1  # slots in the shared memory, slot_bytes each
     warm_shapes: tuple[tuple[str, int, int], ...] = ()  # (model, length, size) untimed passes
     cpus: tuple[int, ...] = ()  # run only on these (VEGA_MODEL_CPUS); empty = anywhere
+    log_level: int = logging.INFO  # the serving process's (VEGA_LOG_LEVEL)
 
 
 def main(argv: list[str]) -> int:
@@ -48,12 +51,12 @@ def main(argv: list[str]) -> int:
     # signal meant for the service must not take the model away from admitted work.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s vega.modelproc: %(message)s")
     conn = Connection(int(argv[0]))
     raw = orjson.loads(conn.recv_bytes())
     config = ChildConfig(**{**raw, "specs": tuple(tuple(s) for s in raw["specs"]),
                             "warm_shapes": tuple(tuple(w) for w in raw["warm_shapes"]),
                             "cpus": tuple(raw["cpus"])})
+    logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     if config.cpus:
         pin_process(config.cpus)  # before torch starts its threads
     memory = memoryview(mmap.mmap(int(argv[1]), config.slot_bytes * config.lanes))
@@ -62,8 +65,7 @@ def main(argv: list[str]) -> int:
     try:
         models = _load(config)
     except Exception as error:  # a model that cannot load: say why, then exit
-        conn.send_bytes(orjson.dumps({"ready": False,
-                                      "error": f"{type(error).__name__}: {error}"}))
+        conn.send_bytes(orjson.dumps({"ready": False, "error": said(error)}))
         return 1
     # What loading found of each model's outputs (one row per step or not), for the
     # serving process's metadata: it never runs the models itself.
@@ -140,11 +142,18 @@ def serve(models: dict[str, Any], slots: list[memoryview], conn: Connection) -> 
                 conn.send_bytes(payload[: slot.nbytes(header)])
         except (BrokenPipeError, ConnectionResetError):
             return  # the parent died while the batch ran: nobody left to answer
-        except Exception as error:  # the model's failure is this batch's alone
-            log.warning("model %s raised: %r", request.get("model"), error)
+        except Exception as error:  # the model's failure is this batch's alone (the parent logs it)
+            log.debug("model %s raised: %s", request.get("model"), said(error))
             conn.send_bytes(orjson.dumps({
                 "ok": False, "infer_s": time.perf_counter() - started,
-                "ended_at": time.monotonic(), "error": f"{type(error).__name__}: {error}"}))
+                "ended_at": time.monotonic(), "error": said(error)}))
+
+
+def said(error: BaseException) -> str:
+    """``Type: message``, cut to SAID_CHARS: a message may quote the whole input, and the
+    parent reads a reply whole in one turn of its loop."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= SAID_CHARS else text[:SAID_CHARS] + "... (cut)"
 
 
 def _as_array(output: Any) -> Any:

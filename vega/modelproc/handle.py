@@ -311,7 +311,8 @@ class ModelProcess:
         config = ChildConfig(specs=plan.specs, device=plan.device,
                              torch_threads=plan.torch_threads, slot_bytes=plan.slot_bytes,
                              lanes=plan.lanes,
-                             warm_shapes=plan.warm_shapes if restart else (), cpus=plan.cpus)
+                             warm_shapes=plan.warm_shapes if restart else (), cpus=plan.cpus,
+                             log_level=logging.getLogger().getEffectiveLevel())
         ours, theirs = socket.socketpair()
         # The child imports the models as this process did: same path, same directory.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
