@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -141,6 +142,25 @@ def test_a_head_over_64_kib_sent_in_two_reads_is_431(server: VegaProcess) -> Non
         sock.sendall(b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
+
+
+def test_a_flood_of_what_is_not_http_is_logged_once_with_the_server_s_time(
+        server: VegaProcess) -> None:
+    # A TLS client or a scanner on the plain port: uvicorn warns once a connection.
+    assert server.log_path is not None
+    before = len(server.log_path.read_text(errors="replace"))
+    for _ in range(40):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03garbage\r\n\r\n")
+            sock.recv(4096)
+    time.sleep(0.3)
+    flood = server.log_path.read_text(errors="replace")[before:]
+    lines = [line for line in flood.splitlines() if "Invalid HTTP request" in line]
+    assert len(lines) <= 1, lines[:3]  # once in REPEAT_EVERY_S, with a count after it
+    written = [line for line in server.log_path.read_text(errors="replace").splitlines()
+               if "Invalid HTTP request" in line]
+    assert written and re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING uvicorn.error: ",
+                                written[0]), written[0]
 
 
 def test_still_serving_after_all_that(client: httpx.Client, server: VegaProcess) -> None:

@@ -27,6 +27,7 @@ import uvicorn
 from vega import LOG_FORMAT
 from vega.acceptor import BatchAcceptor
 from vega.config import SPECS, ConfigError, Settings, load_settings
+from vega.logs import Repeats
 
 EXIT_CONFIG = 2
 EXIT_STARTUP = 3
@@ -105,8 +106,7 @@ def serve(settings: Settings) -> int:
     # and waits up to the switch interval for it (5 ms by default); the loop is asked to
     # yield only while a thread is waiting (docs/tuning.md has the measurements).
     sys.setswitchinterval(0.0001)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format=LOG_FORMAT)
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     warn_oversubscribed(settings)
     why = uds_unusable(settings.uds) if settings.uds else None
     if why is not None:
@@ -119,10 +119,12 @@ def serve(settings: Settings) -> int:
         return EXIT_STARTUP
     options: dict[str, Any] = {"uds": settings.uds} if settings.uds else {
         "host": settings.host, "port": settings.port}
+    # uvicorn's lines in the server's format (log_config=None), its floods thinned.
     config = uvicorn.Config(app, loop="uvloop", http=OneWriteProtocol, lifespan="on",
                             access_log=settings.access_log, log_level=settings.log_level,
-                            timeout_keep_alive=75, proxy_headers=False,
+                            log_config=None, timeout_keep_alive=75, proxy_headers=False,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **options)
+    logging.getLogger("uvicorn.error").addFilter(Repeats())
     server = DrainingServer(config, runtime)
     server.run()
     code = EXIT_STARTUP if not server.started or runtime.failed is not None else 0
