@@ -89,6 +89,7 @@ class Link:
         """Wait until Redis answers (retrying with backoff) and every model's group is
         there; the round trip of a steal until one is measured, and the server's clock (ms)."""
         delay_s = 0.1
+        failing: type | None = None  # why the last try failed: a new reason is a WARNING
         while True:
             try:
                 pings = []
@@ -102,7 +103,10 @@ class Link:
                 # A steal's round trip: XADD, XREADGROUP, XADD, XREAD.
                 return 4 * min(pings), seconds * 1000 + micros // 1000
             except rexc.RedisError as error:
-                log.debug("redis connect failed: %s; next try in %.1f s", said(error), delay_s)
+                level = logging.DEBUG if type(error) is failing else logging.WARNING
+                failing = type(error)  # a password changed while it was away, say
+                log.log(level, "redis connect failed: %s; next try in %.1f s", said(error),
+                        delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(5.0, delay_s * 2)
 
