@@ -39,7 +39,8 @@ async def test_redis_out_of_reach_is_logged_once_for_each_new_reason(
         caplog: pytest.LogCaptureFixture) -> None:
     # Back with another password while it was away: that reason must reach the log, not
     # hide behind the first one at DEBUG.
-    failures: list[Exception] = [rexc.ConnectionError("refused"), rexc.ConnectionError("refused"),
+    failures: list[Exception] = [rexc.ConnectionError("refused"), rexc.TimeoutError("slow"),
+                                 rexc.ConnectionError("refused"),
                                  rexc.AuthenticationError("invalid password"),
                                  rexc.AuthenticationError("invalid password")]
 
@@ -62,5 +63,5 @@ async def test_redis_out_of_reach_is_logged_once_for_each_new_reason(
         await link.reach()
     said = [(r.levelname, r.getMessage().split(":")[1].strip()) for r in caplog.records
             if "redis connect failed" in r.getMessage()]
-    assert [level for level, _ in said] == ["WARNING", "DEBUG", "WARNING", "DEBUG"]
-    assert said[2][1] == "AuthenticationError"
+    assert [level for level, _ in said] == ["WARNING", "WARNING", "DEBUG", "WARNING", "DEBUG"]
+    assert said[3][1] == "AuthenticationError"

@@ -300,6 +300,44 @@ async def test_only_the_input_the_model_raises_on_fails_its_batch_mates_are_answ
         executor.shutdown()
 
 
+async def test_a_window_left_alone_by_its_batch_mate_s_caller_runs_again_alone() -> None:
+    # The input the model raised on was its caller's, and that caller has gone: the other
+    # window is still answered.
+    model = echo("echo")
+    model.load(DEVICE)
+    executor = Executor({"echo": model})
+    try:
+        batch = mixed_batch(model, [0.5, FAIL_MARK])
+        done = executor.run(batch)
+        batch.items[1].future.cancel()  # its deadline passed, say
+        await done
+        answer = await asyncio.wait_for(batch.items[0].future, 20)
+        assert answer[:2].tolist() == [0.5 * 15 + 0.5, 2.0]
+    finally:
+        executor.shutdown()
+
+
+async def test_a_failure_that_follows_the_length_stays_with_the_long_window() -> None:
+    # Positions for 100 steps only: a batch padded to 120 fails; run again, the short
+    # windows are padded to their own length and answered.
+    model = load_model("python:tests.models:positions_of_100", "echo")
+    assert isinstance(model, SequenceModel)
+    model.load(DEVICE)
+    executor = Executor({"echo": model})
+    loop = asyncio.get_running_loop()
+    try:
+        items = [Item(sample=model.decode(window(n))[0], length=n, priority=1,
+                      deadline=loop.time() + 60, future=loop.create_future()) for n in (10, 120)]
+        batch = Batch(model="echo", bucket=0, items=items, pad_to=120, isolate=True)
+        await executor.run(batch)
+        await asyncio.wait_for(asyncio.gather(*(i.future for i in items),
+                                              return_exceptions=True), 20)
+        assert items[0].future.result().tolist() == [0.5 * 10] * 8
+        assert isinstance(items[1].future.exception(), VegaError)
+    finally:
+        executor.shutdown()
+
+
 async def test_a_model_error_quoting_a_huge_input_fails_its_input_not_the_model_process(
         caplog: pytest.LogCaptureFixture) -> None:
     # A reply past the pipe's buffer was read half, and the process taken for dead: killed.

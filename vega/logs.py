@@ -16,7 +16,8 @@ REPEAT_EVERY_S = 10.0
 
 class Repeats(logging.Filter):
     """Passes a message (by its logger and text before formatting) once per ``every_s``;
-    the next one to pass says how many were held back meanwhile."""
+    the next one to pass says how many were held back meanwhile. A record with a
+    traceback always passes."""
 
     def __init__(self, every_s: float = REPEAT_EVERY_S) -> None:
         super().__init__()
@@ -24,6 +25,8 @@ class Repeats(logging.Filter):
         self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # -> (passed at, held)
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:  # a traceback: each may be another bug
+            return True
         key = (record.name, str(record.msg))
         now = time.monotonic()
         passed_at, held = self._seen.get(key, (-self.every_s, 0))

@@ -42,14 +42,16 @@ class Settler:
               done: asyncio.Future[None]) -> None:
         """``batch`` ended (on the loop): ``done`` and its items settled, or parts run again."""
         parts = _parts(batch, error)
-        if parts:  # its end reaches the batcher; its items are answered by the parts
-            _resolve(batch, [], None, done)
-        else:
+        if not parts:
             if error is not None and not isinstance(error, VegaError):
                 self._log(batch, error)
             _resolve(batch, outputs, error, done)
-        for part in parts:
-            self._run(part)
+            return
+        try:  # its end reaches the batcher; its items are answered by the parts
+            _resolve(batch, [], None, done)
+        finally:
+            for part in parts:
+                self._run(part)
 
     def _log(self, batch: Batch, error: BaseException) -> None:
         """One line a second at most per model: a flood of inputs it raises on must not
@@ -67,21 +69,21 @@ class Settler:
 
 def _parts(batch: Batch, error: BaseException | None) -> list[Batch]:
     """The parts of ``batch`` to run again: none unless it failed, was formed here, and
-    more than one of its items still waits."""
-    if error is None or isinstance(error, VegaError) or not batch.isolate:
+    held more than one item (one still waiting whose batch mate's caller left, alone)."""
+    if error is None or isinstance(error, VegaError) or not batch.isolate or batch.size < 2:
         return []
     live = [item for item in batch.items if not item.future.done()]
-    if len(live) < 2:
-        return []
     if isinstance(error, ModelProcessError):
         return [_part(batch, [item]) for item in live] if batch.items[0].priority == JOB else []
     middle = (len(live) + 1) // 2
-    return [_part(batch, live[:middle]), _part(batch, live[middle:])]
+    return [_part(batch, part) for part in (live[:middle], live[middle:]) if part]
 
 
 def _part(batch: Batch, items: list[Item]) -> Batch:
-    return Batch(model=batch.model, bucket=batch.bucket, items=items, pad_to=batch.pad_to,
-                 isolate=True)
+    # Padded to its own longest window (a compiled package rounds that up itself): a
+    # failure that follows the length stays with the long window.
+    return Batch(model=batch.model, bucket=batch.bucket, items=items,
+                 pad_to=max(item.length for item in items), isolate=True)
 
 
 def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | None,

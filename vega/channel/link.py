@@ -89,7 +89,7 @@ class Link:
         """Wait until Redis answers (retrying with backoff) and every model's group is
         there; the round trip of a steal until one is measured, and the server's clock (ms)."""
         delay_s = 0.1
-        failing: type | None = None  # why the last try failed: a new reason is a WARNING
+        told: set[type] = set()  # why tries failed: each new reason is a WARNING
         while True:
             try:
                 pings = []
@@ -103,8 +103,8 @@ class Link:
                 # A steal's round trip: XADD, XREADGROUP, XADD, XREAD.
                 return 4 * min(pings), seconds * 1000 + micros // 1000
             except rexc.RedisError as error:
-                level = logging.DEBUG if type(error) is failing else logging.WARNING
-                failing = type(error)  # a password changed while it was away, say
+                level = logging.DEBUG if type(error) in told else logging.WARNING
+                told.add(type(error))  # a password changed while it was away, say
                 log.log(level, "redis connect failed: %s; next try in %.1f s", said(error),
                         delay_s)
                 await asyncio.sleep(delay_s)

@@ -144,16 +144,22 @@ class JobRunner:
             instances = orjson.loads(job.instances)
             if not isinstance(instances, list) or not instances:
                 raise VegaError("invalid_input", "a job holds no instances")
-            decoded = decode_all(self.adapter, instances)
         except (VegaError, orjson.JSONDecodeError) as error:
             message = error.message if isinstance(error, VegaError) else "inputs are not JSON"
-            if isinstance(error, VegaError) and job.attempts < self.lane.max_attempts:
-                # Its inputs passed the check at submit: this process's model takes other
-                # windows than the submitter's (vega_min_length, say), and another may run it.
-                self._spawn(self.lane.store.retry(job))
-                return
             self._spawn(self._end(job, FAILED, error={"code": "invalid_input",
                                                       "message": message}))
+            return
+        try:
+            decoded = decode_all(self.adapter, instances)
+        except VegaError as error:
+            if job.attempts < self.lane.max_attempts:
+                # Its inputs passed the check at submit: this process's model takes other
+                # windows than the submitter's (vega_min_length, say), and another may run it.
+                self.lane.metrics.jobs_retried.labels(self.model).inc()
+                self._spawn(self.lane.store.retry(job))
+            else:
+                self._spawn(self._end(job, FAILED, error={"code": "invalid_input",
+                                                          "message": error.message}))
             return
         deadline = loop.time() + (job.expires_ms - self.clock()) / 1000
         items = []
