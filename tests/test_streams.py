@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
 from tests.infra import RedisServer
-from tests.models import echo, window
+from tests.models import FAIL_MARK, echo, window
 from vega.channel.keys import (
     GROUP,
     NODES,
@@ -419,6 +419,28 @@ async def test_a_decline_stops_offers_to_that_peer_alone(runtime: Runtime) -> No
     assert streams.lent("echo") == 1  # the idle one's thread
     streams.peers = [ghost("busy", 2), ghost("idle", 1)]
     assert streams.lent("echo") == 2
+
+
+async def test_a_batch_a_peer_s_model_raised_on_is_run_here_where_it_is_halved(
+        runtime: Runtime) -> None:
+    # The peer answers a batch whole: one caller's input it raised on would fail the
+    # others. Run here, the batch is halved down to that input (vega.settle).
+    streams = await beats_stopped(runtime, [ghost("peer", 1)])
+    loop = asyncio.get_running_loop()
+    adapter = runtime.models["echo"].adapter
+    rows = [window(2, 1.0), window(3, 1.0)]
+    rows[1][0][0] = FAIL_MARK
+    items = [Item(sample=adapter.decode(r)[0], length=len(r), priority=CRITICAL,
+                  deadline=loop.time() + 3.0, future=loop.create_future()) for r in rows]
+    batch = Batch(model="echo", bucket=0, items=items, pad_to=3, isolate=True)
+    assert await streams.offer(batch, local_wait_s=2.0)
+    [key] = list(streams._pending)
+    await streams.cmd.xadd(reply_key("solo"), encode_reply(Reply(  # type: ignore[arg-type]
+        key, "peer", 1.0, (), "model_error", "model raised ValueError")))
+    assert (await asyncio.wait_for(items[0].future, 3.0))[0] == pytest.approx(16.0)
+    with pytest.raises(VegaError, match="model raised ValueError"):
+        await asyncio.wait_for(items[1].future, 3.0)
+    assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 1
 
 
 async def test_while_the_loop_runs_late_a_short_wait_is_not_handed_off(

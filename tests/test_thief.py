@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -190,6 +191,27 @@ async def test_a_stolen_batch_refused_unrun_is_declined_for_its_origin_to_run(
         await rig.stop()
     assert (reply.error_code, reply.error_message) == (
         "declined", "the model process is restarting")
+
+
+async def test_a_stolen_batch_the_model_raised_on_leaves_no_exception_unread(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    # asyncio logs each failed future nobody read: a line per item of every such batch.
+    rig = Rig(redis_url, "thief-me")
+
+    async def raising(batch: Batch) -> None:
+        for item in batch.items:
+            item.future.set_exception(VegaError("model_error", "model raised ValueError"))
+
+    rig.link.run_local = raising
+    await rig.start(lambda: rig.thief.steal_loop(MODEL))
+    try:
+        with caplog.at_level("ERROR", logger="asyncio"):
+            reply = await offered(rig, entry("origin-me", "origin-me.b.1"))
+            gc.collect()
+    finally:
+        await rig.stop()
+    assert (reply.error_code, reply.error_message) == ("model_error", "model raised ValueError")
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
 async def test_a_batch_of_another_version_or_weights_of_its_model_is_declined_not_run(

@@ -10,7 +10,8 @@ raises on is the caller's doing). A job batch whose model process died runs agai
 at a time (the job lane would retry each job into the same company); an inline batch
 does not: its callers' deadlines would not wait for the restart, and the input may kill
 the process again. A peer's batch is answered whole (its reply carries one outcome), so
-only batches formed here (``Batch.isolate``) run again.
+only batches formed here (``Batch.isolate``) run again; its origin runs it again
+(vega.streams), where it is halved.
 """
 
 from __future__ import annotations

@@ -414,10 +414,14 @@ class Streams:
             self.link.metrics.overflow_events.labels("malformed").inc()
             log.warning("malformed reply for %s dropped: %s", key, error)
             return
-        if reply.error_code == "declined":
-            self.link.metrics.overflow_events.labels("declined").inc()
-            self.heart.doubt(reply.node)
-            self._take_back(key, "declined")
+        if reply.error_code == "declined" or (reply.error_code == "model_error"
+                                               and handoff.batch.size > 1):
+            # Raised on there: run here, where a failed batch is halved down to the inputs
+            # the model raised on (vega.settle), so their batch mates are answered.
+            if reply.error_code == "declined":
+                self.link.metrics.overflow_events.labels("declined").inc()
+                self.heart.doubt(reply.node)
+            self._take_back(key, reply.error_code)
             return
         del self._pending[key]
         if handoff.timer is not None:

@@ -165,8 +165,11 @@ class Thief:
         batch = Batch(model=model, bucket=bucket, items=items,
                       pad_to=entry.pad_to if pad is None else pad(entry.pad_to))
         await self.link.run_local(batch)
-        error = next((item.future.exception() for item in items
-                      if item.future.done() and item.future.exception() is not None), None)
+        # Each failed item's exception read, not only the first: asyncio logs every one
+        # left unread, a line per item of every batch the model raised on.
+        failed = [item.future.exception() for item in items
+                  if item.future.done() and not item.future.cancelled()]
+        error = next((e for e in failed if e is not None), None)
         if isinstance(error, VegaError) and error.code in UNRUN:  # the origin runs it
             reply = Reply(entry.batch, self.link.node, 0.0, (), "declined", error.message)
         elif error is not None or not all(item.future.done() for item in items):
