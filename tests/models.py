@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 from vega.models.base import SequenceModel
 
 FAIL_MARK = 666.0  # an instance whose first value is this makes the batch raise
+CRASH_MARK = 777.0  # ... this takes the process running the batch down (SIGSEGV)
 
 
 class _Echo:
@@ -56,6 +58,8 @@ class _Echo:
             time.sleep(self.sleep_s + self.per_item_s * batch)
         if bool((x[:, 0, 0] == FAIL_MARK).any()):
             raise ValueError("test model asked to fail")
+        if bool((x[:, 0, 0] == CRASH_MARK).any()):
+            os.kill(os.getpid(), signal.SIGSEGV)
         if self.hang_s and bool((x[:, 0, 0] == -FAIL_MARK).any()):
             time.sleep(self.hang_s)
         if self.ledger:  # a completed forward pass, not one killed half-way
@@ -140,6 +144,27 @@ def encoder(name: str) -> SequenceModel:
 
     return SequenceModel(build_module(width=128, layers=6, heads=4, seed=2), name,
                          channels=8, max_length=512, output_size=4)
+
+
+def crashing_encoder(name: str) -> Any:
+    """``encoder``'s eager module, bare (as a user's own), taking its process down on a
+    window whose first value is CRASH_MARK, as a native bug on one input would."""
+    import torch
+
+    from vega.models.sensor import build_module
+
+    class Crashing(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = build_module(width=128, layers=6, heads=4, seed=2)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            if bool((x[:, 0, 0] == CRASH_MARK).any()):
+                os.kill(os.getpid(), signal.SIGSEGV)
+            out: torch.Tensor = self.inner(x, lengths)
+            return out
+
+    return Crashing()
 
 
 def encoder_small(name: str) -> SequenceModel:

@@ -40,6 +40,7 @@ from vega.modelproc.handle import Answered, Lane
 from vega.modelproc.slot import ALIGN
 from vega.models import ModelAdapter, adopt, holds_the_gil, identity, min_length, release
 from vega.models.loader import ModelLoadError
+from vega.quarantine import Quarantine
 from vega.records import Batch
 from vega.settle import Settler
 
@@ -115,6 +116,7 @@ class _Job:
     samples: list[Any]
     pad_to: int
     answered: Answered
+    alone: bool = False  # sent only to a model process holding no other batch (Batch.alone)
 
 
 class Executor:
@@ -143,7 +145,10 @@ class Executor:
         self._loop: asyncio.AbstractEventLoop | None = None  # driving the model processes
         self._free: list[Lane] = []  # lanes of the model processes with no batch in them
         self._waiting: deque[_Job] = deque()
-        self._settler = Settler(self.run)  # answers a batch's items, or runs parts again
+        self._alone_in: set[ModelProcess] = set()  # running a batch to itself (Batch.alone)
+        # Inputs that took a model process down (only model processes go down alone).
+        self.quarantine = Quarantine()
+        self._settler = Settler(self.run, self.quarantine)  # answers items, or runs parts
         if plan is None:
             in_thread = InThread(self.models)
             for _ in range(threads):
@@ -237,6 +242,10 @@ class Executor:
         except a failed batch's that runs again in parts (vega.settle): settled later."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
+        # In a thread too: an input that took a peer's model process down would take all
+        # of this process down.
+        if self.quarantine and self._settler.held_back(batch, done):
+            return done
         if self._plan is None:
             with self._lock:
                 self._queued[batch] = (loop, done)
@@ -249,17 +258,24 @@ class Executor:
             self.bind(loop)
         samples = [item.sample for item in batch.items]
         self._waiting.append(_Job(batch.model, samples, batch.pad_to,
-                                  partial(self._ran, batch, done)))
+                                  partial(self._ran, batch, done), batch.alone))
         self._feed()
         return done
 
     def _feed(self) -> None:
-        """Send waiting work to free lanes, those of a model process that is up first."""
+        """Send waiting work to free lanes, those of a model process that is up first. A
+        job to run alone waits for an empty model process, and holds it to itself."""
         while self._waiting and self._free:
-            lane = min(self._free, key=lambda free: (not free.process.up,
-                                                     free.process.in_child))
+            job = self._waiting[0]
+            lanes = [free for free in self._free if free.process not in self._alone_in
+                     and not (job.alone and free.process.in_child)]
+            if not lanes:
+                return  # behind a batch run alone: for one batch time at most
+            lane = min(lanes, key=lambda free: (not free.process.up, free.process.in_child))
             self._free.remove(lane)
-            job = self._waiting.popleft()
+            self._waiting.popleft()
+            if job.alone:
+                self._alone_in.add(lane.process)
             self._running += 1
             answered = partial(self._answered, lane, job)
             try:
@@ -272,6 +288,8 @@ class Executor:
                   ended_at: float, error: BaseException | None) -> None:
         self._free.append(lane)
         self._running -= 1
+        if job.alone:
+            self._alone_in.discard(lane.process)
         self._feed()  # the next batch into the child before this one's answers are written
         job.answered(outputs, held_s, ended_at, error)
 

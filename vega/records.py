@@ -81,8 +81,11 @@ class Batch:
     # has ended, before its items are answered (so the next batch goes first).
     on_end: Callable[[Batch], None] | None = field(default=None, repr=False)
     # Formed here: failed, it runs again in parts, so that only the input the model raised
-    # on fails (vega.rerun); a peer's batch is answered whole.
+    # on fails (vega.settle); a peer's batch is answered whole.
     isolate: bool = False
+    # An input suspected of taking a model process down (vega.quarantine): it runs with
+    # no other batch in its model process, so none goes down with it.
+    alone: bool = False
     id: int = field(default_factory=lambda: next(_ids))
 
     @property

@@ -71,8 +71,7 @@ class Runtime:
         # What a model process rebuilds the adapters from; unknown for adapters given here.
         specs = None if adapters is not None else tuple(
             (spec, name) for spec, name in ((settings.model, settings.model_name),
-                                            (settings.fallback_model, ""))
-            if spec)
+                                            (settings.fallback_model, "")) if spec)
         self.capacity = Capacity(CapacityConfig(
             target=settings.capacity_target, grow_after_s=settings.capacity_grow_s,
             shrink_after_s=settings.capacity_shrink_s, job_drain_s=settings.jobs_drain_target_s))
@@ -146,6 +145,7 @@ class Runtime:
         if s.redis_url:
             self.streams = Streams(s, self.node_id, self.metrics, batchers, self._run_local,
                                    self.lag, lambda: self.executor.available)
+            self.streams.link.quarantine = self.executor.quarantine  # shared with peers
             self.streams.start()
         self.jobs.start(batchers, lambda: self.executor.available)
         self._capacity_task = asyncio.create_task(

@@ -12,6 +12,10 @@ does not: its callers' deadlines would not wait for the restart, and the input m
 the process again. A peer's batch is answered whole (its reply carries one outcome), so
 only batches formed here (``Batch.isolate``) run again; its origin runs it again
 (vega.streams), where it is halved.
+
+Before a batch runs, ``held_back`` looks for inputs that took a model process down
+(vega.quarantine): those refused fail, each suspect runs alone, the rest together; a
+peer's batch that holds one is declined, to run at its origin.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from vega.errors import VegaError
 from vega.modelproc.child import said
 from vega.modelproc.handle import ModelProcessError
+from vega.quarantine import Quarantine
 from vega.records import JOB, Batch, Item
 
 log = logging.getLogger("vega.executor")
@@ -34,14 +39,19 @@ LOG_EVERY_S = 1.0  # a model's failures are logged once a second at most, with a
 class Settler:
     """Answers ended batches, and runs again (``run``) the parts of failed ones."""
 
-    def __init__(self, run: Callable[[Batch], object]) -> None:
+    def __init__(self, run: Callable[[Batch], object], quarantine: Quarantine) -> None:
         self._run = run
+        self.quarantine = quarantine
         self._logged_at: dict[str, float] = {}  # by model: when its last failure was logged
         self._unlogged: dict[str, int] = {}  # by model: failed batches since then
 
     def ended(self, batch: Batch, outputs: list[Any] | None, error: BaseException | None,
               done: asyncio.Future[None]) -> None:
         """``batch`` ended (on the loop): ``done`` and its items settled, or parts run again."""
+        if isinstance(error, ModelProcessError) and error.suspect:
+            self.quarantine.crashed(batch.model, batch.items)
+        elif batch.size == 1 and not isinstance(error, VegaError):
+            self.quarantine.ran(batch.model, batch.items)  # it ran, and the process lived
         parts = _parts(batch, error)
         if not parts:
             if error is not None and not isinstance(error, VegaError):
@@ -54,6 +64,30 @@ class Settler:
             for part in parts:
                 self._run(part)
 
+    def held_back(self, batch: Batch, done: asyncio.Future[None]) -> bool:
+        """Whether ``batch`` ended here, unrun, for holding inputs that took a model process
+        down: its refused inputs failed, its suspects each run alone, the rest together."""
+        clean, suspects, refused = self.quarantine.sort(batch.model, batch.items)
+        if not refused and (not suspects or batch.size == 1):
+            batch.alone = bool(suspects)
+            return False
+        if not batch.isolate:  # a peer's, answered whole: declined, its origin runs it
+            _resolve(batch, None, VegaError("not_ready", "holds an input that took a model "
+                                            "process down here"), done)
+            return True
+        for item in refused:
+            if not item.future.done():
+                item.future.set_exception(self.quarantine.refusal())
+        parts = [_part(batch, [item], alone=True) for item in suspects]
+        if clean:
+            parts.insert(0, _part(batch, clean))
+        try:  # its end reaches the batcher; its items are answered by the parts
+            _resolve(batch, [], None, done)
+        finally:
+            for part in parts:
+                self._run(part)
+        return True
+
     def _log(self, batch: Batch, error: BaseException) -> None:
         """One line a second at most per model: a flood of inputs it raises on must not
         become a flood of log lines."""
@@ -64,7 +98,8 @@ class Settler:
         self._logged_at[batch.model] = now
         more = self._unlogged.pop(batch.model, 0)
         text = str(error) if hasattr(error, "kind") else said(error)  # a child's report is cut
-        log.error("model %s raised on a batch of %d: %s%s", batch.model, batch.size, text,
+        what = "failed" if isinstance(error, ModelProcessError) else "raised"
+        log.error("model %s %s on a batch of %d: %s%s", batch.model, what, batch.size, text,
                   f" (and on {more} more batch(es) since the last line)" if more else "")
 
 
@@ -80,11 +115,11 @@ def _parts(batch: Batch, error: BaseException | None) -> list[Batch]:
     return [_part(batch, part) for part in (live[:middle], live[middle:]) if part]
 
 
-def _part(batch: Batch, items: list[Item]) -> Batch:
+def _part(batch: Batch, items: list[Item], alone: bool = False) -> Batch:
     # Padded to its own longest window (a compiled package rounds that up itself): a
     # failure that follows the length stays with the long window.
     return Batch(model=batch.model, bucket=batch.bucket, items=items,
-                 pad_to=max(item.length for item in items), isolate=True)
+                 pad_to=max(item.length for item in items), isolate=True, alone=alone)
 
 
 def _resolve(batch: Batch, outputs: list[Any] | None, error: BaseException | None,

@@ -22,6 +22,7 @@ class Reporter:
         self._restarts_counted = 0  # counters are fed the change since the last refresh
         self._refused_counted: dict[str, int] = {}
         self._loop_refused_counted = 0
+        self._quarantine_refusals_counted = 0
 
     def refresh_metrics(self) -> None:
         self.rt.metrics.ready.set(1 if self.rt.ready and not self.rt.draining else 0)
@@ -34,6 +35,10 @@ class Reporter:
         self.rt.metrics.model_processes_up.set(sum(p.up for p in executor.processes))
         self.rt.metrics.model_process_restarts.inc(executor.restarts - self._restarts_counted)
         self._restarts_counted = executor.restarts
+        self.rt.metrics.quarantined.set(executor.quarantine.refused)
+        self.rt.metrics.quarantine_refusals.inc(
+            executor.quarantine.refusals - self._quarantine_refusals_counted)
+        self._quarantine_refusals_counted = executor.quarantine.refusals
         self.rt.metrics.inflight.set(sum(s.batcher.inflight for s in self.rt.models.values()))
         self.rt.jobs.refresh_metrics()
         for name, served in self.rt.models.items():
@@ -83,6 +88,7 @@ class Reporter:
                 "executor": {"kind": executor.kind, "threads": executor.threads,
                              "processes_up": sum(p.up for p in executor.processes),
                              "restarts": executor.restarts,
+                             "quarantined_inputs": executor.quarantine.refused,
                              "pids": [p.pid if p.up else None for p in executor.processes]},
                 "active_requests": self.rt.active_requests, "loop": self.rt.lag.status(),
                 "models": models, "outcomes": self.outcomes(),

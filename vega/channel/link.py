@@ -24,6 +24,7 @@ from vega.channel.keys import GROUP, overflow_key
 from vega.config import Settings
 from vega.metrics import Metrics
 from vega.models import ModelAdapter, identity
+from vega.quarantine import Quarantine
 from vega.records import Batch
 
 log = logging.getLogger("vega.streams")
@@ -50,6 +51,9 @@ class Link:
     def __init__(self, settings: Settings, node: str, metrics: Metrics, models: Models,
                  run_local: RunLocal, runnable: Callable[[], bool] = lambda: True) -> None:
         self.settings = settings
+        # Inputs that took a model process down here (the executor's, once the runtime
+        # sets it): the heartbeat shares those refused, and takes in the peers'.
+        self.quarantine = Quarantine()
         self.runnable = runnable  # whether a model can run a batch here now
         self.node = node
         self.metrics = metrics

@@ -96,6 +96,7 @@ class Peers:
             "handed_off": self._handed_off(),
             "spare": orjson.dumps({m: b.spare_threads if link.lending() else 0
                                    for m, (_, b) in models.items()}),
+            "quarantined": orjson.dumps(link.quarantine.shared()),
         }
         async with link.cmd.pipeline(transaction=False) as pipe:
             pipe.hset(node_key(link.node), mapping=state)  # type: ignore[arg-type]
@@ -110,6 +111,11 @@ class Peers:
                 pipe.hgetall(node_key(other))
             states = await pipe.execute() if others else []
         self.live = [peer for peer in map(_peer, states) if peer is not None]
+        for peer in self.live:  # what took a peer's process down, with the same model
+            for model, digests in peer["quarantined"].items():
+                if model in link.identities and \
+                        peer["identity"].get(model) == link.identities[model]:
+                    link.quarantine.adopt(model, digests)
         beats = {peer["node"]: peer["time_ms"] for peer in self.live}
         self._doubted = {node: beat for node, beat in self._doubted.items()
                          if beats.get(node) == beat}  # a newer beat is believed again
@@ -135,6 +141,7 @@ def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
         models = orjson.loads(state[b"models"])
         spare = orjson.loads(state.get(b"spare", b"{}"))
         identity = orjson.loads(state.get(b"identity", b"{}"))
+        quarantined = orjson.loads(state.get(b"quarantined", b"{}"))
         return {"node": state[b"node"].decode(), "time_ms": beat_ms,
                 "age_ms": wall_ms() - beat_ms,
                 "models": [m for m in models if isinstance(m, str)]
@@ -144,7 +151,8 @@ def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
                 "inflight": int(state[b"inflight"]), "stealing": state[b"stealing"] == b"1",
                 "spare": {m: n for m, n in spare.items() if _threads(n)}
                 if isinstance(spare, dict) else {},
-                "identity": identity if isinstance(identity, dict) else {}}
+                "identity": identity if isinstance(identity, dict) else {},
+                "quarantined": quarantined if isinstance(quarantined, dict) else {}}
     except (KeyError, ValueError, orjson.JSONDecodeError):
         return None
 

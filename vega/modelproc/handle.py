@@ -19,6 +19,7 @@ import asyncio
 import logging
 import mmap
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -41,6 +42,7 @@ log = logging.getLogger("vega.modelproc")
 
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 STABLE_AFTER_S = 60.0  # a child that lived this long resets the backoff
+EXIT_WAIT_S = 0.2  # at a child's loss, how long the loop waits for its exit status
 INLINE_WAIT_S = 10  # the longest one recv of a payload being written may block (SO_RCVTIMEO)
 
 
@@ -56,8 +58,23 @@ def _read_whole(reader: Connection) -> bytes:
         os.set_blocking(fd, False)
 
 
+def _exit_status(process: subprocess.Popen[bytes]) -> int | None:
+    """A child's exit status, once its pipe has closed: it is exiting, so the wait is
+    short (None if it is not over soon)."""
+    try:
+        return process.wait(EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 class ModelProcessError(RuntimeError):
-    """The model process died, hung or could not start; the message says which."""
+    """The model process died, hung or could not start; the message says which.
+    ``suspect``: it died or hung running the batch this error fails, not killed from
+    outside (the kernel's OOM killer, an operator), so that batch's inputs may be why."""
+
+    def __init__(self, message: str, suspect: bool = False) -> None:
+        super().__init__(message)
+        self.suspect = suspect
 
 
 class ModelRaised(Exception):
@@ -197,7 +214,7 @@ class ModelProcess:
         assert life.loop is not None
         life.timer = life.loop.call_later(
             self.plan.timeout_s, self._lost, life,
-            f"gave no answer within {self.plan.timeout_s:g} s")
+            f"gave no answer within {self.plan.timeout_s:g} s", True)
 
     def _readable(self, life: _Life) -> None:
         # Every answer the child has written, not one: a turn of the loop under a flood of
@@ -255,19 +272,24 @@ class ModelProcess:
         sent.answered(outputs, float(held_s), float(ended_at), error)
         return True
 
-    def _lost(self, life: _Life, why: str) -> None:
+    def _lost(self, life: _Life, why: str, hung: bool = False) -> None:
         """This life of the child is over for the loop: fail what it held, stop reading."""
         if life.reader is None:
             return  # already lost
         if life is self._life:
             self._up.clear()
+        held = self._let_go(life)
+        status = _exit_status(life.process) if held and not hung else None
         if life.process.poll() is None:
             life.process.kill()  # its watcher sees it go and restarts it
-        held = self._let_go(life)
         if held:  # one that died idle is logged by its watcher
             log.error("model process %d (pid %s) %s", self.index, life.process.pid, why)
-        for sent in held:
-            sent.answered(None, 0.0, time.monotonic(), ModelProcessError(f"model process {why}"))
+        for position, sent in enumerate(held):
+            # The child runs its batches in the order sent: only the first had begun. The
+            # one waiting behind it is refused as never run (503), and may be sent elsewhere.
+            error = ModelProcessError(f"model process {why}", suspect=hung or (
+                status != -signal.SIGKILL)) if position == 0 else self._restarting()
+            sent.answered(None, 0.0, time.monotonic(), error)
 
     def stop_reading(self) -> None:
         """On the loop, before ``close``: stop reading the child's pipe there. The loop's
