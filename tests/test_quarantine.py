@@ -18,13 +18,14 @@ from tests.infra import RedisServer
 from tests.models import CRASH_MARK, window
 from tests.servers import VegaProcess, metric, wait_until
 from tests.test_executor import DEVICE, ECHO, plan
-from tests.test_streams import solo_runtime
-from vega.channel.keys import node_key
+from tests.test_streams import beats_stopped, ghost, solo_runtime
+from vega.channel.keys import node_key, reply_key
+from vega.channel.wire import Reply, encode_reply
 from vega.errors import VegaError
 from vega.executor import Executor
 from vega.modelproc import ModelProcessError
 from vega.models import SequenceModel, load_model
-from vega.quarantine import Quarantine, fingerprint
+from vega.quarantine import WENT_DOWN, Quarantine, fingerprint
 from vega.records import Batch, Item
 from vega.settle import Settler
 
@@ -253,7 +254,8 @@ def test_a_served_module_refuses_an_input_that_took_its_process_down_and_serves_
     lengths = [16, 40, 64, 100, 256]
     assert all(infer(proc.url, 0.1, n).status_code == 200 for n in lengths)
     first = infer(proc.url, CRASH_MARK, 64)
-    assert first.status_code == 500 and first.json()["error"]["code"] == "model_error"
+    assert first.status_code == 500 and first.json()["error"] == {
+        "code": "model_error", "message": WENT_DOWN}
     wait_until(lambda: httpx.get(proc.url + "/readyz", timeout=5).status_code == 200, 60,
                "ready after the restart")
     with ThreadPoolExecutor(8) as pool:
@@ -301,3 +303,20 @@ async def test_an_input_refused_by_one_process_is_refused_by_its_peers(
             a.models["echo"].adapter, 9.0).items)  # type: ignore[arg-type]
         await asyncio.sleep(0.5)  # a model b does not serve: not taken in
         assert b.executor.quarantine.refused == 1
+
+
+async def test_a_batch_a_peer_went_down_running_runs_here_an_input_at_a_time(
+        redis_server: RedisServer) -> None:
+    """A peer's model process went down running a batch of ours: taken back, its inputs
+    run here one at a time, so that the one to blame takes no batch mate down with it."""
+    async with solo_runtime(redis_server.url) as runtime:
+        streams = await beats_stopped(runtime, [ghost("peer", 1)])
+        batch = echo_batch(runtime.models["echo"].adapter, 5.0, 6.0)  # type: ignore[arg-type]
+        assert await streams.offer(batch, local_wait_s=2.0)
+        [key] = list(streams._pending)
+        await streams.cmd.xadd(reply_key("solo"), encode_reply(Reply(  # type: ignore[arg-type]
+            key, "peer", 1.0, (), "model_error", WENT_DOWN)))
+        await settled(batch)
+        # [sum, length, batch size]: each ran in a batch of one.
+        assert [item.future.result()[2] for item in batch.items] == [1.0, 1.0]
+        assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 1

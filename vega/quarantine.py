@@ -28,6 +28,9 @@ HOLD_S = 600.0  # how long a suspect is remembered, and a confirmed input refuse
 MOST = 4096  # suspects and refusals held at most each; past it the oldest are forgotten
 SHARED_MOST = 64  # refused digests a heartbeat carries per model, the latest
 _HEX = re.compile(r"[0-9a-f]{32}")
+# What the callers of a batch the model process went down running are told; a peer's reply
+# saying it has the origin run that batch's inputs alone too.
+WENT_DOWN = "the model process went down running this batch"
 
 
 def fingerprint(model: str, sample: object) -> bytes | None:

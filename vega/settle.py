@@ -29,7 +29,7 @@ from typing import Any
 from vega.errors import VegaError
 from vega.modelproc.child import said
 from vega.modelproc.handle import ModelProcessError
-from vega.quarantine import Quarantine
+from vega.quarantine import WENT_DOWN, Quarantine
 from vega.records import JOB, Batch, Item
 
 log = logging.getLogger("vega.executor")
@@ -146,6 +146,8 @@ def _settle(batch: Batch, outputs: list[Any] | None, error: BaseException | None
         return
     if isinstance(error, VegaError):  # not run at all: no model process is up
         failure = error
+    elif isinstance(error, ModelProcessError):
+        failure = VegaError("model_error", WENT_DOWN if error.suspect else str(error))
     else:
         kind = getattr(error, "kind", type(error).__name__)  # in a model process: its report
         failure = VegaError("model_error", f"model raised {kind}")

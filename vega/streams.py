@@ -49,6 +49,7 @@ from vega.config import Settings
 from vega.errors import VegaError, missed_deadline
 from vega.metrics import Metrics
 from vega.pressure.looplag import LoopLag
+from vega.quarantine import WENT_DOWN
 from vega.records import Batch
 
 log = logging.getLogger("vega.streams")
@@ -86,8 +87,7 @@ class Streams:
     def up(self) -> bool:
         return self.link.up
 
-    # Read-only views of the link's own: /v1/status reads the counts; tests and
-    # scripts/bench-steal-latency reach Redis and the counters through these.
+    # Views of the link's own, for /v1/status, tests and scripts/bench-steal-latency.
     @property
     def counts(self) -> dict[str, int]:
         return self.link.counts
@@ -118,8 +118,7 @@ class Streams:
         self.heart.live = value
 
     def lent(self, model: str) -> float:
-        """Executor threads the live peers say they can lend for ``model`` (0 when Redis is
-        away)."""
+        """Executor threads the live peers say they lend ``model`` (0 with Redis away)."""
         return self.heart.lent(model)
 
     def room(self, model: str) -> bool:
@@ -414,10 +413,11 @@ class Streams:
             self.link.metrics.overflow_events.labels("malformed").inc()
             log.warning("malformed reply for %s dropped: %s", key, error)
             return
+        if reply.error_message == WENT_DOWN:  # its inputs may take this process down too
+            self.link.quarantine.crashed(handoff.batch.model, handoff.batch.items)
         if reply.error_code == "declined" or (reply.error_code == "model_error"
                                                and handoff.batch.size > 1):
-            # Raised on there: run here, where a failed batch is halved down to the inputs
-            # the model raised on (vega.settle), so their batch mates are answered.
+            # Raised on (or went down) there: run here, halved or its suspects alone (settle).
             if reply.error_code == "declined":
                 self.link.metrics.overflow_events.labels("declined").inc()
                 self.heart.doubt(reply.node)
