@@ -265,12 +265,15 @@ class Executor:
     def _feed(self) -> None:
         """Send waiting work to free lanes, those of a model process that is up first. A
         job to run alone waits for an empty model process, and holds it to itself."""
+        up = any(process.up for process in self.processes)
         while self._waiting and self._free:
             job = self._waiting[0]
+            # A restarting process's lane fails a batch at once (503): only while none is up.
             lanes = [free for free in self._free if free.process not in self._alone_in
+                     and (free.process.up or not up)
                      and not (job.alone and free.process.in_child)]
             if not lanes:
-                return  # behind a batch run alone: for one batch time at most
+                return  # until a batch ends in a process that is up (every end feeds again)
             lane = min(lanes, key=lambda free: (not free.process.up, free.process.in_child))
             self._free.remove(lane)
             self._waiting.popleft()

@@ -89,8 +89,9 @@ class Metrics:
             "vega_model_process_restarts_total", "Model processes restarted after dying or "
             "hanging", registry=r)
         self.quarantined = Gauge(
-            "vega_quarantined_inputs", "Inputs that took a model process down alone, "
-            "refused unrun for a while (500 model_error; vega/quarantine.py)", registry=r)
+            "vega_quarantined_inputs", "Inputs that took a model process down alone, here "
+            "or at a peer, refused unrun for a while (500 model_error; vega/quarantine.py)",
+            registry=r)
         self.quarantine_refusals = Counter(
             "vega_quarantine_refusals_total", "Requests refused for an input that took a "
             "model process down", registry=r)

@@ -7,9 +7,10 @@ input of that batch becomes a suspect. A suspect runs in a batch of its own, so 
 it kills the process again no other caller's input goes down with it; one that runs is
 cleared, one that kills the process alone is refused (500 ``model_error``) for
 ``HOLD_S`` without being run. Inputs are known by a digest of their bytes, so only the
-same window comes back refused, not one like it. With Redis, the refused digests go out
-in this process's heartbeat (``shared``) and peers serving the same model refuse them
-too (``adopt``), so a retried input does not take each process down in turn.
+same window comes back refused, not one like it; and only a window of a dtype and shape
+held is hashed, so traffic of other lengths pays nothing. With Redis, the refused digests
+go out in this process's heartbeat (``shared``) and peers serving the same model refuse
+them too (``adopt``), so a retried input does not take each process down in turn.
 """
 
 from __future__ import annotations
@@ -17,20 +18,30 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from vega.errors import VegaError
-from vega.records import Item
+from vega.records import Batch, Item
 
 HOLD_S = 600.0  # how long a suspect is remembered, and a confirmed input refused
 MOST = 4096  # suspects and refusals held at most each; past it the oldest are forgotten
 SHARED_MOST = 64  # refused digests a heartbeat carries per model, the latest
 _HEX = re.compile(r"[0-9a-f]{32}")
+_DTYPE = re.compile(r"[<>|=][a-zA-Z]\d{0,2}")
 # What the callers of a batch the model process went down running are told; a peer's reply
 # saying it has the origin run that batch's inputs alone too.
 WENT_DOWN = "the model process went down running this batch"
+
+Form = tuple[str, str, tuple[int, ...]]  # model, dtype, shape: what a digest is taken of
+
+
+@dataclass(frozen=True)
+class _Held:
+    until: float  # time.monotonic() when it is forgotten
+    form: Form
 
 
 def fingerprint(model: str, sample: object) -> bytes | None:
@@ -38,8 +49,18 @@ def fingerprint(model: str, sample: object) -> bytes | None:
     (model processes take arrays only)."""
     if not isinstance(sample, np.ndarray):
         return None
+    return _digest((model, sample.dtype.str, sample.shape), sample)
+
+
+def _form(model: str, sample: object) -> Form | None:
+    if not isinstance(sample, np.ndarray):
+        return None
+    return model, sample.dtype.str, sample.shape
+
+
+def _digest(form: Form, sample: np.ndarray) -> bytes:
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{model}\0{sample.dtype.str}\0{sample.shape}\0".encode())
+    digest.update(f"{form[0]}\0{form[1]}\0{form[2]}\0".encode())
     digest.update(np.ascontiguousarray(sample).data)
     return digest.digest()
 
@@ -50,12 +71,13 @@ class Quarantine:
     def __init__(self, hold_s: float = HOLD_S, most: int = MOST) -> None:
         self.hold_s = hold_s
         self.most = most
-        self._suspects: dict[bytes, float] = {}  # digest -> when it is forgotten
-        self._refused: dict[bytes, tuple[float, str]] = {}  # digest -> (until when, model)
+        self._suspects: dict[bytes, _Held] = {}  # by digest, in the order held
+        self._refused: dict[bytes, _Held] = {}
+        self._forms: set[Form] | None = set()  # the forms held; None: to be counted again
         self.refusals = 0  # requests refused so far
 
     def __bool__(self) -> bool:
-        """Whether any input is held: while none is, nothing is hashed."""
+        """Whether any input is held: while none is, nothing is looked at."""
         return bool(self._suspects or self._refused)
 
     @property
@@ -63,83 +85,57 @@ class Quarantine:
         """Inputs refused now."""
         now = time.monotonic()
         self._expire(now)
-        return sum(until > now for until, _ in self._refused.values())
+        return sum(held.until > now for held in self._refused.values())
 
     def crashed(self, model: str, items: list[Item]) -> None:
         """``items`` were in the batch the model process was running when it died or hung:
         one alone is refused; several become suspects."""
-        if len(items) == 1:
-            self._refuse(model, _keys(model, items))
-            return
+        held = self._refused if len(items) == 1 else self._suspects
         until = time.monotonic() + self.hold_s
-        for key in _keys(model, items):
-            self._suspects.pop(key, None)  # held anew, at the end: the order is expiry order
-            self._suspects[key] = until
-            if len(self._suspects) > self.most:
-                del self._suspects[next(iter(self._suspects))]
+        for item in items:
+            form = _form(model, item.sample)
+            if form is not None:
+                self._hold(held, _digest(form, item.sample), _Held(until, form))
 
-    def _refuse(self, model: str, keys: Iterable[bytes], until: float | None = None) -> None:
-        until = time.monotonic() + self.hold_s if until is None else until
-        for key in keys:
-            self._suspects.pop(key, None)
-            self._refused.pop(key, None)
-            self._refused[key] = (until, model)
-            if len(self._refused) > self.most:
-                del self._refused[next(iter(self._refused))]
-
-    def shared(self) -> dict[str, list[tuple[str, int]]]:
-        """The inputs refused now, by model (the latest SHARED_MOST of each): each digest
-        in hex and the wall-clock ms its refusal ends at. What this process's heartbeat
-        tells its peers."""
-        now, wall_ms = time.monotonic(), 1000 * time.time()
-        self._expire(now)
-        out: dict[str, list[tuple[str, int]]] = {}
-        for key, (until, model) in reversed(self._refused.items()):
-            held = out.setdefault(model, [])
-            if len(held) < SHARED_MOST and until > now:
-                held.append((key.hex(), int(wall_ms + 1000 * (until - now))))
-        return out
-
-    def adopt(self, model: str, entries: object) -> None:
-        """Refuse, until the same instant, the inputs a peer serving the same ``model``
-        refuses (its heartbeat's ``shared``). One held already keeps its own time: a
-        refusal passed from peer to peer never outlives the first. What does not parse
-        is ignored."""
-        if not isinstance(entries, list):
-            return
-        now, wall_ms = time.monotonic(), 1000 * time.time()
-        for entry in entries:
-            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-                    and _HEX.fullmatch(entry[0]) and isinstance(entry[1], int)):
-                continue
-            left_s = min(self.hold_s, (entry[1] - wall_ms) / 1000)
-            key = bytes.fromhex(entry[0])
-            if left_s > 0 and key not in self._refused:
-                self._refuse(model, [key], now + left_s)
+    def _hold(self, held: dict[bytes, _Held], key: bytes, entry: _Held) -> None:
+        self._suspects.pop(key, None)  # held anew, at the end: mostly in expiry order
+        self._refused.pop(key, None)
+        held[key] = entry
+        if len(held) > self.most:
+            del held[next(iter(held))]
+        self._forms = None
 
     def ran(self, model: str, items: list[Item]) -> None:
         """``items`` ran alone and the process lived: suspected no longer."""
         if self._suspects:
-            for key in _keys(model, items):
-                self._suspects.pop(key, None)
+            for _, key in self._digests(model, items):
+                if self._suspects.pop(key, None) is not None:
+                    self._forms = None
+
+    def holds(self, batch: Batch) -> bool:
+        """Whether ``batch`` holds a suspect or refused input (then it runs here)."""
+        if not self:
+            return False
+        _, suspects, refused = self.sort(batch.model, batch.items)
+        return bool(suspects or refused)
 
     def sort(self, model: str, items: list[Item]) -> tuple[list[Item], list[Item], list[Item]]:
         """``items`` as (clean, suspects, refused)."""
         now = time.monotonic()
         self._expire(now)
-        clean: list[Item] = []
         suspects: list[Item] = []
         refused: list[Item] = []
-        for item in items:
-            key = fingerprint(model, item.sample)
+        for item, key in self._digests(model, items):
             # (A peer's refusal may end before one held ahead of it: so its own time.)
-            if key is not None and self._refused.get(key, (0.0, ""))[0] > now:
+            entry = self._refused.get(key)
+            if entry is not None and entry.until > now:
                 refused.append(item)
-            elif key is not None and key in self._suspects:
+            elif key in self._suspects:
                 suspects.append(item)
-            else:
-                clean.append(item)
-        return clean, suspects, refused
+        if not suspects and not refused:
+            return items, [], []
+        marked = set(suspects + refused)
+        return [item for item in items if item not in marked], suspects, refused
 
     def refusal(self) -> VegaError:
         """What a refused input's caller gets."""
@@ -147,14 +143,67 @@ class Quarantine:
         return VegaError("model_error", f"this input took the model process down; it is "
                          f"refused for {self.hold_s:g} s")
 
+    # -- shared with peers -------------------------------------------------------------
+
+    def shared(self) -> dict[str, list[list[Any]]]:
+        """The inputs refused now, by model (the latest SHARED_MOST of each): each as its
+        digest in hex, the wall-clock ms its refusal ends at, its dtype and shape. What
+        this process's heartbeat tells its peers."""
+        now, wall_ms = time.monotonic(), 1000 * time.time()
+        self._expire(now)
+        out: dict[str, list[list[Any]]] = {}
+        for key, entry in reversed(self._refused.items()):
+            model, dtype, shape = entry.form
+            held = out.setdefault(model, [])
+            if len(held) < SHARED_MOST and entry.until > now:
+                held.append([key.hex(), int(wall_ms + 1000 * (entry.until - now)), dtype,
+                             list(shape)])
+        return out
+
+    def adopt(self, model: str, entries: object) -> None:
+        """Refuse, until the same instant, the inputs a peer serving the same ``model``
+        refuses (its heartbeat's ``shared``). One refused here already keeps its own time:
+        a refusal passed from peer to peer never outlives the first. What does not parse
+        is ignored."""
+        if not isinstance(entries, list):
+            return
+        now, wall_ms = time.monotonic(), 1000 * time.time()
+        for entry in entries[:SHARED_MOST]:
+            if not _entry(entry):
+                continue
+            left_s = min(self.hold_s, (entry[1] - wall_ms) / 1000)
+            key = bytes.fromhex(entry[0])
+            mine = self._refused.get(key)
+            if left_s > 0 and (mine is None or mine.until <= now):
+                self._hold(self._refused, key, _Held(now + left_s,
+                                                     (model, entry[2], tuple(entry[3]))))
+
+    # -- upkeep ----------------------------------------------------------------------------
+
+    def _digests(self, model: str, items: list[Item]) -> list[tuple[Item, bytes]]:
+        """The items of a form held, with their digests: only those are hashed."""
+        if self._forms is None:
+            self._forms = {held.form for held in self._suspects.values()} | \
+                {held.form for held in self._refused.values()}
+        out = []
+        for item in items:
+            form = _form(model, item.sample)
+            if form is not None and form in self._forms:
+                out.append((item, _digest(form, item.sample)))
+        return out
+
     def _expire(self, now: float) -> None:
-        # In the order they were held, the oldest first.
-        while self._suspects and next(iter(self._suspects.values())) <= now:
-            del self._suspects[next(iter(self._suspects))]
-        while self._refused and next(iter(self._refused.values()))[0] <= now:
-            del self._refused[next(iter(self._refused))]
+        # In the order they were held, the oldest first (an adopted one may wait behind).
+        for held in (self._suspects, self._refused):
+            while held and next(iter(held.values())).until <= now:
+                del held[next(iter(held))]
+                self._forms = None
 
 
-def _keys(model: str, items: Iterable[Item]) -> list[bytes]:
-    return [key for key in (fingerprint(model, item.sample) for item in items)
-            if key is not None]
+def _entry(entry: object) -> bool:
+    """Whether a peer's shared entry parses: [digest hex, end ms, dtype, shape]."""
+    return (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+            and _HEX.fullmatch(entry[0]) is not None and type(entry[1]) is int
+            and isinstance(entry[2], str) and _DTYPE.fullmatch(entry[2]) is not None
+            and isinstance(entry[3], list) and len(entry[3]) <= 8
+            and all(type(n) is int and 0 <= n < 1 << 31 for n in entry[3]))

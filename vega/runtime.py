@@ -148,9 +148,8 @@ class Runtime:
             self.streams.link.quarantine = self.executor.quarantine  # shared with peers
             self.streams.start()
         self.jobs.start(batchers, lambda: self.executor.available)
-        self._capacity_task = asyncio.create_task(
-            sample_forever(self.capacity, self.reporter.capacity_sample, s.capacity_sample_s),
-            name="capacity")
+        self._capacity_task = asyncio.create_task(sample_forever(
+            self.capacity, self.reporter.capacity_sample, s.capacity_sample_s), name="capacity")
         self._capacity_task.add_done_callback(_log_task_end)
 
     # What admission reads of the peers (vega.admission.Reach); the local rule without Redis.
@@ -371,7 +370,8 @@ class Runtime:
         """Where a formed batch runs: here, or on a peer when the wait here is long. One
         that runs here is handed back as the executor's own future, not a coroutine: the
         executor ends it (batch.on_end starts the next batch) before the handlers it wakes."""
-        if self.streams is not None and batch.items[0].priority != JOB:  # jobs move as jobs
+        if self.streams is not None and batch.items[0].priority != JOB \
+                and not self.executor.quarantine.holds(batch):  # jobs move as jobs; suspects stay
             wait_s = self._local_wait_s(batch)
             if self.streams.worth_handing_off(batch, wait_s):
                 return self._offer_or_run(batch, self.streams, wait_s)

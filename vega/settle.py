@@ -50,7 +50,7 @@ class Settler:
         """``batch`` ended (on the loop): ``done`` and its items settled, or parts run again."""
         if isinstance(error, ModelProcessError) and error.suspect:
             self.quarantine.crashed(batch.model, batch.items)
-        elif batch.size == 1 and not isinstance(error, VegaError):
+        elif batch.size == 1 and not isinstance(error, (VegaError, ModelProcessError)):
             self.quarantine.ran(batch.model, batch.items)  # it ran, and the process lived
         parts = _parts(batch, error)
         if not parts:
@@ -78,7 +78,8 @@ class Settler:
         for item in refused:
             if not item.future.done():
                 item.future.set_exception(self.quarantine.refusal())
-        parts = [_part(batch, [item], alone=True) for item in suspects]
+        # A suspect whose caller left is not run: it might take the process down for nobody.
+        parts = [_part(batch, [item], alone=True) for item in suspects if item.live]
         if clean:
             parts.insert(0, _part(batch, clean))
         try:  # its end reaches the batcher; its items are answered by the parts

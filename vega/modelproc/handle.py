@@ -58,6 +58,14 @@ def _read_whole(reader: Connection) -> bytes:
         os.set_blocking(fd, False)
 
 
+def _blame(error: BaseException) -> bool | None:
+    """Whether a read or write that failed with ``error`` blames the running batch: None
+    (as its exit status says) for a closed pipe, the child exiting; False otherwise (a
+    payload slow to come), as the child may live."""
+    return None if isinstance(error, (EOFError, ConnectionResetError, BrokenPipeError)) \
+        else False
+
+
 def _exit_status(process: subprocess.Popen[bytes]) -> int | None:
     """A child's exit status, once its pipe has closed: it is exiting, so the wait is
     short (None if it is not over soon)."""
@@ -190,7 +198,8 @@ class ModelProcess:
                 life.conn.send_bytes(message)
         except OSError as error:  # not sent, so not held: the caller fails it, _lost the rest
             asyncio.get_running_loop().call_soon(
-                self._lost, life, f"died during a batch ({type(error).__name__})")
+                self._lost, life, f"died during a batch ({type(error).__name__})",
+                _blame(error))
             raise self._restarting() from None
         life.in_child.append(_Sent(lane, answered, time.perf_counter()))
         if len(life.in_child) == 1:
@@ -240,7 +249,7 @@ class ModelProcess:
             # The child writes an inline payload right after its header.
             payload = _read_whole(reader) if reply.get("inline") else None
         except (EOFError, OSError) as gone:
-            self._lost(life, f"died during a batch ({type(gone).__name__})")
+            self._lost(life, f"died during a batch ({type(gone).__name__})", _blame(gone))
             return False
         now = time.perf_counter()
         sent = life.in_child.popleft()
@@ -272,14 +281,17 @@ class ModelProcess:
         sent.answered(outputs, float(held_s), float(ended_at), error)
         return True
 
-    def _lost(self, life: _Life, why: str, hung: bool = False) -> None:
-        """This life of the child is over for the loop: fail what it held, stop reading."""
+    def _lost(self, life: _Life, why: str, blame: bool | None = False) -> None:
+        """This life of the child is over for the loop: fail what it held, stop reading.
+        ``blame``: whether the batch it was running may be why (it hung: True); None: its
+        pipe closed, so unless its exit status says it was killed from outside."""
         if life.reader is None:
             return  # already lost
         if life is self._life:
             self._up.clear()
         held = self._let_go(life)
-        status = _exit_status(life.process) if held and not hung else None
+        if blame is None:
+            blame = not held or _exit_status(life.process) != -signal.SIGKILL
         if life.process.poll() is None:
             life.process.kill()  # its watcher sees it go and restarts it
         if held:  # one that died idle is logged by its watcher
@@ -287,8 +299,8 @@ class ModelProcess:
         for position, sent in enumerate(held):
             # The child runs its batches in the order sent: only the first had begun. The
             # one waiting behind it is refused as never run (503), and may be sent elsewhere.
-            error = ModelProcessError(f"model process {why}", suspect=hung or (
-                status != -signal.SIGKILL)) if position == 0 else self._restarting()
+            error = ModelProcessError(f"model process {why}", suspect=blame) \
+                if position == 0 else self._restarting()
             sent.answered(None, 0.0, time.monotonic(), error)
 
     def stop_reading(self) -> None:
