@@ -238,6 +238,31 @@ async def test_nginx_spreads_requests_and_passes_429_through(
     assert sum(metric(p, "vega_requests_total") for p in procs) == 12  # nothing retried
 
 
+async def test_with_no_process_to_take_work_nginx_answers_503_not_ready_not_502(
+        tmp_path: Path, vega: Callable[..., VegaProcess],
+        nginx: Callable[[Sequence[str]], Nginx]) -> None:
+    """Every process out (here: one whose model is still warming, one whose socket is
+    gone): the caller gets the 503 Vega would give, JSON in the route's shape, with
+    Retry-After, so a polite client waits and tries again; never Nginx's HTML 502."""
+    warming = vega(**CLUSTER_ENV, TEST_LOAD_SLEEP_MS="60000", wait_ready=False)
+
+    def answers_503() -> bool:
+        try:
+            return httpx.get(warming.url + "/readyz", timeout=5).status_code == 503
+        except httpx.TransportError:
+            return False
+    await asyncio.to_thread(wait_until, answers_503, 60, "the warming process listening")
+    proxy = nginx([f"127.0.0.1:{warming.port}", f"unix:{tmp_path / 'gone.sock'}"])
+    async with httpx.AsyncClient(timeout=30) as client:
+        answers = [await client.post(proxy.url + path, json={"inputs": window(2)})
+                   for path in ("/v1/infer", "/v1/infer", "/v1/jobs")]
+        oip = await client.post(proxy.url + "/v2/models/echo/infer", json={"inputs": []})
+    for answer in answers:
+        assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1
+        assert answer.json()["error"]["code"] == "not_ready", answer.text
+    assert oip.status_code == 503 and oip.json()["error"].startswith("not_ready")
+
+
 async def test_job_calls_while_redis_is_away_do_not_take_processes_out_of_nginx(
         redis_server: RedisServer, vega: Callable[..., VegaProcess],
         nginx: Callable[[Sequence[str]], Nginx]) -> None:

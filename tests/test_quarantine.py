@@ -19,6 +19,7 @@ from tests.infra import RedisServer
 from tests.models import CRASH_MARK, window
 from tests.servers import VegaProcess, metric, wait_until
 from tests.test_executor import DEVICE, ECHO, plan
+from tests.test_jobs import served, submit, until_final
 from tests.test_streams import beats_stopped, ghost, solo_runtime
 from vega import quarantine as quarantine_module
 from vega.channel.keys import node_key, reply_key
@@ -384,6 +385,8 @@ def test_a_served_module_refuses_an_input_that_took_its_process_down_and_serves_
     assert metric(proc, "vega_quarantine_refusals_total") == len(crashers)
     status = httpx.get(proc.url + "/v1/status", timeout=5).json()
     assert status["executor"]["quarantined_inputs"] == 1
+    assert "died during a batch (EOFError), killed by SIGSEGV" in proc.log() or \
+        "(ConnectionResetError), killed by SIGSEGV" in proc.log()
 
 
 # -- peers serving the same model, through a real Redis ------------------------------------
@@ -450,3 +453,22 @@ async def test_a_batch_holding_a_suspect_is_not_handed_to_a_peer(
         await settled(batch)
         assert streams._pending == {} and streams.counts["offered"] == 0
         assert [item.future.result()[2] for item in batch.items] == [1.0, 1.0]
+
+
+async def test_a_job_whose_input_is_refused_fails_at_once_its_attempts_unspent() -> None:
+    async with served(VEGA_MAX_ATTEMPTS="3") as (client, runtime, model):
+        rows = window(4)
+        rows[0][0] = 5.0  # told, not run: this runtime runs the model in this process
+        loop = asyncio.get_running_loop()
+        runtime.executor.quarantine.crashed("echo", [Item(
+            sample=model.decode(rows)[0], length=4, priority=1, deadline=loop.time() + 60,
+            future=loop.create_future())])
+        refused = (await submit(client, {"inputs": rows})).json()["id"]
+        clean = (await submit(client, {"inputs": window(4)})).json()["id"]
+        final = await until_final(client, refused)
+        assert final["status"] == "failed" and final["error"]["code"] == "model_error"
+        assert "refused" in final["error"]["message"]
+        assert (await until_final(client, clean))["status"] == "done"
+        metrics = (await client.get("/metrics")).text
+        assert 'vega_jobs_retried_total{model="echo"} 0.0' in metrics
+        assert 'vega_jobs_dead_letters{model="echo"} 0.0' in metrics

@@ -754,3 +754,41 @@ async def test_a_malformed_reply_is_dropped_and_the_reader_answers_the_next(
         await streams.cmd.xadd(reply_key("solo"), fields)  # type: ignore[arg-type]
     assert (await asyncio.wait_for(item.future, 1.0))[0] == pytest.approx(99.0)
     assert streams.metrics.overflow_events.labels("malformed")._value.get() == 2
+
+
+@pytest.mark.parametrize("lasting_s, warned", [(0.0, False), (2.5, True)])
+async def test_redis_timing_out_at_start_is_warned_of_only_if_it_lasts(
+        redis_server: RedisServer, caplog: pytest.LogCaptureFixture, lasting_s: float,
+        warned: bool) -> None:
+    """A process starting on a busy host reads Redis's first answers late: a timeout in
+    the first seconds is no outage to warn an operator of; one that lasts is."""
+    caplog.set_level(logging.DEBUG, logger="vega")
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)  # answers nothing until told to go on
+
+    def timed_out() -> bool:
+        return any("redis connect failed: TimeoutError" in r.getMessage()
+                   for r in caplog.records)
+
+    async def go_on() -> None:
+        while not timed_out():
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(lasting_s)
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGCONT)
+
+    resumed = asyncio.create_task(go_on())
+    try:
+        async with solo_runtime(redis_server.url) as runtime:
+            await asyncio.wait_for(resumed, 30)
+            assert runtime.streams is not None
+            for _ in range(200):
+                if runtime.streams.up:
+                    break
+                await asyncio.sleep(0.05)
+            assert runtime.streams.up
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno >= logging.WARNING and "Timeout" in r.getMessage()]
+    assert bool(warnings) == warned, warnings

@@ -35,6 +35,11 @@ _DTYPE = re.compile(r"[<>|=][a-zA-Z]\d{0,2}")
 # saying it has the origin run that batch's inputs alone too.
 WENT_DOWN = "the model process went down running this batch"
 
+class Refused(VegaError):
+    """An input refused unrun, for having taken a model process down: trying it again
+    soon is refused again (a job fails at once, its attempts unspent)."""
+
+
 Form = tuple[str, str, tuple[int, ...]]  # model, dtype, shape: what a digest is taken of
 
 
@@ -137,11 +142,11 @@ class Quarantine:
         marked = set(suspects + refused)
         return [item for item in items if item not in marked], suspects, refused
 
-    def refusal(self) -> VegaError:
+    def refusal(self) -> Refused:
         """What a refused input's caller gets."""
         self.refusals += 1
-        return VegaError("model_error", f"this input took the model process down; it is "
-                         f"refused for {self.hold_s:g} s")
+        return Refused("model_error", f"this input took the model process down; it is "
+                       f"refused for {self.hold_s:g} s")
 
     # -- shared with peers -------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from vega.quarantine import Quarantine
 from vega.records import Batch
 
 log = logging.getLogger("vega.streams")
+TIMEOUT_GRACE_S = 2.0  # Redis timing out at the first connect for less is not warned of
 
 RunLocal = Callable[[Batch], Awaitable[None]]
 Models = Mapping[str, tuple[ModelAdapter, Batcher]]
@@ -94,6 +95,7 @@ class Link:
         there; the round trip of a steal until one is measured, and the server's clock (ms)."""
         delay_s = 0.1
         told: set[type] = set()  # why tries failed: each new reason is a WARNING
+        began = time.monotonic()
         while True:
             try:
                 pings = []
@@ -107,8 +109,13 @@ class Link:
                 # A steal's round trip: XADD, XREADGROUP, XADD, XREAD.
                 return 4 * min(pings), seconds * 1000 + micros // 1000
             except rexc.RedisError as error:
-                level = logging.DEBUG if type(error) in told else logging.WARNING
-                told.add(type(error))  # a password changed while it was away, say
+                # A timeout in the first seconds is as often this process busy starting
+                # (its loop late to read the answer) as Redis away: a WARNING if it lasts.
+                early = isinstance(error, rexc.TimeoutError) and \
+                    time.monotonic() - began < TIMEOUT_GRACE_S
+                level = logging.DEBUG if early or type(error) in told else logging.WARNING
+                if not early:
+                    told.add(type(error))  # a password changed while it was away, say
                 log.log(level, "redis connect failed: %s; next try in %.1f s", said(error),
                         delay_s)
                 await asyncio.sleep(delay_s)

@@ -25,6 +25,7 @@ from vega.errors import VegaError
 from vega.httpio import outputs_json
 from vega.jobs.store import DONE, EXPIRED, FAILED, FINAL, Job, wall_ms
 from vega.models import ModelAdapter, decode_all
+from vega.quarantine import Refused
 from vega.records import JOB, Item
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ PAUSE_S = 0.5  # after a store error, before trying again
 OUTAGE_LOG_S = 60.0  # through a store outage, how often it is logged again
 # A job item's deadline is its ttl: passed while queued, or its batch would end past it.
 MISSED = frozenset({"deadline_exceeded", "deadline_unmeetable"})
+TIMEOUT_GRACE_S = 1.0  # a store timing out for less is not logged (see run)
 
 
 class JobRunner:
@@ -61,6 +63,7 @@ class JobRunner:
         self._failing_since: float | None = None  # loop time the store began failing
         self._failed_reclaiming = False  # the last failing pass reclaimed (else took only)
         self._logged_at = 0.0
+        self._told = False  # this outage was logged
 
     async def run(self) -> None:
         """Claim jobs whenever this process has room for them, until cancelled."""
@@ -94,16 +97,21 @@ class JobRunner:
                 await self._start(jobs)
                 if self._failing_since is not None and (
                         reclaimed or not self._failed_reclaiming):  # what failed, passed
-                    log.info("job store for %s answers again, after %.1f s", self.model,
-                             loop.time() - self._failing_since)
-                    self._failing_since = None
+                    if self._told:
+                        log.info("job store for %s answers again, after %.1f s", self.model,
+                                 loop.time() - self._failing_since)
+                    self._failing_since, self._told = None, False
             except STORE_ERRORS as error:
                 # Logged once an outage begins and once a minute through it.
                 self._failed_reclaiming = reclaimed
                 now = loop.time()
-                if self._failing_since is None or now - self._logged_at >= OUTAGE_LOG_S:
-                    self._failing_since = self._failing_since or now
-                    self._logged_at = now
+                self._failing_since = self._failing_since or now
+                # A timeout in the first second is as often this process busy (its loop late
+                # to read the answer, while it starts say) as the store away: told if it lasts.
+                lasted = not isinstance(error, rexc.TimeoutError) or \
+                    now - self._failing_since >= TIMEOUT_GRACE_S
+                if lasted and (not self._told or now - self._logged_at >= OUTAGE_LOG_S):
+                    self._told, self._logged_at = True, now
                     log.warning("job store for %s: %s; trying again every %.1f s",
                                 self.model, said(error), PAUSE_S)
                 await asyncio.sleep(PAUSE_S)
@@ -191,6 +199,9 @@ class JobRunner:
                     await self._end(job, DONE, outputs=body)
             elif any(isinstance(e, VegaError) and e.code in MISSED for e in errors):
                 await self._end(job, EXPIRED)  # its ttl passed (or would) while queued here
+            elif refused := next((e for e in errors if isinstance(e, Refused)), None):
+                await self._end(job, FAILED, error={"code": refused.code,
+                                                    "message": refused.message})
             elif all(isinstance(e, VegaError) and e.code in ("not_ready", "draining")
                      for e in errors):
                 await self.lane.store.retry(job, ran=False)  # refused unrun: not an attempt

@@ -75,6 +75,17 @@ def _exit_status(process: subprocess.Popen[bytes]) -> int | None:
         return None
 
 
+def _ended(status: int | None) -> str:
+    """How a child ended, for the log line that says it died: ", killed by SIGSEGV"."""
+    if status is None:
+        return ""
+    try:
+        return f", killed by {signal.Signals(-status).name}" if status < 0 \
+            else f", exit status {status}"
+    except ValueError:
+        return f", killed by signal {-status}"
+
+
 class ModelProcessError(RuntimeError):
     """The model process died, hung or could not start; the message says which.
     ``suspect``: it died or hung running the batch this error fails, not killed from
@@ -290,8 +301,9 @@ class ModelProcess:
         if life is self._life:
             self._up.clear()
         held = self._let_go(life)
-        if blame is None:
-            blame = not held or _exit_status(life.process) != -signal.SIGKILL
+        if blame is None and held:
+            status = _exit_status(life.process)
+            blame, why = status != -signal.SIGKILL, why + _ended(status)
         if life.process.poll() is None:
             life.process.kill()  # its watcher sees it go and restarts it
         if held:  # one that died idle is logged by its watcher
@@ -299,7 +311,7 @@ class ModelProcess:
         for position, sent in enumerate(held):
             # The child runs its batches in the order sent: only the first had begun. The
             # one waiting behind it is refused as never run (503), and may be sent elsewhere.
-            error = ModelProcessError(f"model process {why}", suspect=blame) \
+            error = ModelProcessError(f"model process {why}", suspect=bool(blame)) \
                 if position == 0 else self._restarting()
             sent.answered(None, 0.0, time.monotonic(), error)
 
