@@ -1,10 +1,12 @@
 """Callers beside one whose window takes the model process down: what they still get.
 
-``scripts/bench_crash [SECONDS] [--period=S] [--connections=N]`` (defaults 20, 1.0, 32).
+``scripts/bench_crash [SECONDS] [--period=S] [--connections=N] [--new]`` (defaults 20,
+1.0, 32).
 Two phases, each on a fresh ``vega serve`` at default settings with a user's eager module
 (``python:tests.models:crashing_encoder``, run in a model process), windows of 16..256
 steps: N closed-loop callers alone, then the same beside one caller that sends a window
-the module crashes on (SIGSEGV) every S seconds, as a caller retrying it would. Reported
+the module crashes on (SIGSEGV) every S seconds, as a caller retrying it would (with
+``--new``, a window not sent before each time, which no quarantine knows). Reported
 per phase: the other callers' answers by status, and their 200s against the phase
 without the crasher (``clean_200_vs_alone``), the restarts of the model process, and
 what the crasher got.
@@ -47,7 +49,7 @@ def outcome(answer: httpx.Response) -> str:
     return f"{answer.status_code} {code}".strip()
 
 
-async def phase(url: str, seconds: float, connections: int, period_s: float
+async def phase(url: str, seconds: float, connections: int, period_s: float, new: bool
                 ) -> dict[str, Any]:
     clean: Counter[str] = Counter()
     crasher: Counter[str] = Counter()
@@ -66,9 +68,11 @@ async def phase(url: str, seconds: float, connections: int, period_s: float
 
         async def crashing() -> None:
             await asyncio.sleep(2.0)  # the others' traffic first
+            sent = 0
             while period_s and time.monotonic() < end:
-                crasher[outcome(await client.post(url + "/v1/infer",
-                                                  content=body(64, CRASH_MARK)))] += 1
+                sent += 1
+                crashing = body(64 + (sent % 192 if new else 0), CRASH_MARK)
+                crasher[outcome(await client.post(url + "/v1/infer", content=crashing))] += 1
                 await asyncio.sleep(max(0.0, min(period_s, end - time.monotonic())))
 
         await asyncio.gather(crashing(), *(caller() for _ in range(connections)))
@@ -83,6 +87,7 @@ def main() -> int:
     parser.add_argument("seconds", nargs="?", type=float, default=20.0)
     parser.add_argument("--period", type=float, default=1.0)
     parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--new", action="store_true", help="a new crashing window each time")
     args = parser.parse_args()
     result: dict[str, Any] = {}
     for name, period_s in (("alone", 0.0), ("beside_crasher", args.period)):
@@ -90,7 +95,7 @@ def main() -> int:
         server = serve(port, VEGA_MODEL=MODEL)
         try:
             result[name] = asyncio.run(phase(f"http://127.0.0.1:{port}", args.seconds,
-                                             args.connections, period_s))
+                                             args.connections, period_s, args.new))
         finally:
             server.terminate()
             server.wait(30)

@@ -784,3 +784,32 @@ async def test_a_freed_thread_gets_the_held_batch_before_the_answers_are_handled
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         executor.shutdown()
+
+
+async def test_a_model_process_that_served_restarts_at_the_shortest_backoff() -> None:
+    """One input taking a serving model process down is no crash loop: the next life
+    starts after the shortest backoff. Lives that die without answering a batch (a model
+    that cannot serve) back off longer each time."""
+    executor, model = await echo_executor()
+    process = executor.processes[0]
+
+    async def killed_and_back(serve_first: bool) -> int:
+        if serve_first:
+            batch = echo_batch(model, 0.5)
+            await executor.run(batch)
+            assert batch.items[0].future.result()[1] == 4.0
+        restarts, pid = executor.restarts, process.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        end = asyncio.get_running_loop().time() + 60
+        while not (executor.available and executor.restarts == restarts + 1):
+            assert asyncio.get_running_loop().time() < end, "the model process came back"
+            await asyncio.sleep(0.05)
+        return process._failures
+
+    try:
+        assert await killed_and_back(serve_first=True) == 1  # from the shortest
+        assert await killed_and_back(serve_first=False) == 2  # served nothing: longer
+        assert await killed_and_back(serve_first=True) == 1
+    finally:
+        executor.shutdown()

@@ -142,6 +142,7 @@ class _Life:
     process: subprocess.Popen[bytes]
     conn: Connection
     answered_at: float = 0.0  # perf_counter when the last answer was read
+    served: int = 0  # batches it answered with outputs
     # From its first batch on: the pipe's reading end on the loop (a dup, so that the
     # watcher thread closing ``conn`` never closes an fd the loop's selector holds), the
     # batches in the child in sending order, and the timer on the oldest.
@@ -279,6 +280,7 @@ class ModelProcess:
             try:
                 buffer = self._slots[sent.lane] if payload is None else payload
                 outputs = slot.unpack(buffer, reply, copy=True)
+                life.served += 1
             except (slot.SlotOverflow, TypeError, KeyError, ValueError) as bad:
                 error = bad
         # The child's own clock: read here, the time would also count how late the
@@ -407,7 +409,9 @@ class ModelProcess:
             return
         log.error("model process %d (pid %s) exited with %s; restarting", self.index,
                   process.pid, process.returncode)
-        if time.monotonic() - self._started_at > STABLE_AFTER_S:
+        # A life that served is no crash loop: one input took it down, and every caller
+        # waits out the backoff, so the next life starts at the shortest.
+        if time.monotonic() - self._started_at > STABLE_AFTER_S or life.served:
             self._failures = 0
         self._stop_child(grace_s=0.0)
         while not self._closed:
