@@ -63,5 +63,7 @@ async def test_redis_out_of_reach_is_logged_once_for_each_new_reason(
         await link.reach()
     said = [(r.levelname, r.getMessage().split(":")[1].strip()) for r in caplog.records
             if "redis connect failed" in r.getMessage()]
-    assert [level for level, _ in said] == ["WARNING", "WARNING", "DEBUG", "WARNING", "DEBUG"]
+    # The timeout comes within the first seconds: a busy start as often as Redis away,
+    # so it is not warned of (test_streams: one that lasts is).
+    assert [level for level, _ in said] == ["WARNING", "DEBUG", "DEBUG", "WARNING", "DEBUG"]
     assert said[3][1] == "AuthenticationError"
