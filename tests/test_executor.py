@@ -703,6 +703,22 @@ def test_jobs_queued_through_a_model_process_restart_run_after_it_not_dead_lette
     assert metric(proc, "vega_jobs_dead_letters") == 0
 
 
+def test_a_job_submitted_while_the_model_process_restarts_is_taken_and_runs_after(
+        echo_process: Callable[..., VegaProcess]) -> None:
+    # A job is stored, not run at once: while inference gets 503, a submit gets 202.
+    proc = echo_process(TEST_LOAD_SLEEP_MS="3000")  # a slow warm-up, after the first too
+    first = model_pid(proc)
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: not ready(proc), 10, "not ready")
+    submitted = httpx.post(proc.url + "/v1/jobs", content=orjson.dumps(
+        {"inputs": window(8)}), timeout=5)
+    assert submitted.status_code == 202, submitted.text
+    assert infer(proc.url).status_code == 503  # inline work is still refused meanwhile
+    job = submitted.json()["id"]
+    wait_until(lambda: httpx.get(f"{proc.url}/v1/jobs/{job}", timeout=5).json()["status"]
+               == "done", 60, "the job ran after the restart")
+
+
 def test_a_stopped_server_lets_its_model_process_exit_not_killed(
         echo_process: Callable[..., VegaProcess], tmp_path: Path) -> None:
     # The loop reads the child's pipe through a dup of it: left open, the child never saw

@@ -117,8 +117,9 @@ class JobsApi:
     async def _submit(self, request: Request, name: str, body: bytes,
                       with_ttl: bool) -> Reply:
         runtime = self.runtime
-        runtime.check_open()
-        served = runtime.served(name)
+        if runtime.draining:  # a job is stored, not run: a model process restarting is no bar
+            runtime.check_open()
+        served = runtime.served(name)  # not_ready while warming up: its models are not known
         # Whatever VEGA_IDEMPOTENCY_TTL_S (the inline answers'): the store keeps it with the job.
         key = parse_key(request.headers.get("idempotency-key"))
         limit = self.settings.max_body_bytes
