@@ -680,8 +680,12 @@ def test_requests_while_the_model_process_restarts_get_503_not_ready(
     answer = infer(proc.url)
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready"
     assert int(answer.headers["retry-after"]) >= 1
+    # The exit is counted as it happens; the restart once the next life is warm.
+    assert metric(proc, "vega_model_process_exits_total") == 1
+    assert metric(proc, "vega_model_process_restarts_total") == 0
     wait_until(lambda: ready(proc), 60, "ready again")
     assert infer(proc.url).status_code == 200
+    assert metric(proc, "vega_model_process_restarts_total") == 1
 
 
 def test_jobs_queued_through_a_model_process_restart_run_after_it_not_dead_lettered(

@@ -215,6 +215,12 @@ class Executor:
     def restarts(self) -> int:
         return sum(process.restarts for process in self.processes)
 
+    @property
+    def exits(self) -> int:
+        """Model process lives that ended unasked, counted as they end (a restart counts
+        once the next life is warm)."""
+        return sum(process.exits for process in self.processes)
+
     def _init_thread(self) -> None:
         self._workers.append(threading.current_thread())
         if self._torch_threads:

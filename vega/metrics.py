@@ -88,6 +88,9 @@ class Metrics:
         self.model_process_restarts = Counter(
             "vega_model_process_restarts_total", "Model processes restarted after dying or "
             "hanging", registry=r)
+        self.model_process_exits = Counter(
+            "vega_model_process_exits_total", "Model processes that died or were killed for "
+            "hanging, counted as they end (restarts count once the next is warm)", registry=r)
         self.quarantined = Gauge(
             "vega_quarantined_inputs", "Inputs that took a model process down alone, here "
             "or at a peer, refused unrun for a while (500 model_error; vega/quarantine.py)",

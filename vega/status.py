@@ -23,6 +23,7 @@ class Reporter:
         self._refused_counted: dict[str, int] = {}
         self._loop_refused_counted = 0
         self._quarantine_refusals_counted = 0
+        self._exits_counted = 0
 
     def refresh_metrics(self) -> None:
         self.rt.metrics.ready.set(1 if self.rt.ready and not self.rt.draining else 0)
@@ -35,6 +36,8 @@ class Reporter:
         self.rt.metrics.model_processes_up.set(sum(p.up for p in executor.processes))
         self.rt.metrics.model_process_restarts.inc(executor.restarts - self._restarts_counted)
         self._restarts_counted = executor.restarts
+        self.rt.metrics.model_process_exits.inc(executor.exits - self._exits_counted)
+        self._exits_counted = executor.exits
         self.rt.metrics.quarantined.set(executor.quarantine.refused)
         self.rt.metrics.quarantine_refusals.inc(
             executor.quarantine.refusals - self._quarantine_refusals_counted)
@@ -87,7 +90,7 @@ class Reporter:
                 "device": self.rt.device,
                 "executor": {"kind": executor.kind, "threads": executor.threads,
                              "processes_up": sum(p.up for p in executor.processes),
-                             "restarts": executor.restarts,
+                             "restarts": executor.restarts, "exits": executor.exits,
                              "quarantined_inputs": executor.quarantine.refused,
                              "pids": [p.pid if p.up else None for p in executor.processes]},
                 "active_requests": self.rt.active_requests, "loop": self.rt.lag.status(),

@@ -157,6 +157,7 @@ class ModelProcess:
         self.plan = plan
         self.index = index
         self.restarts = 0
+        self.exits = 0  # lives that ended unasked (died, hung, killed), counted as they end
         self.pid: int | None = None
         # What the child found loading its models, by name: "outputs" (shapes), "identities".
         self.built: dict[str, Any] = {}
@@ -407,6 +408,7 @@ class ModelProcess:
         life = self._life
         if self._closed or life is None or process is not life.process:
             return
+        self.exits += 1
         log.error("model process %d (pid %s) exited with %s; restarting", self.index,
                   process.pid, process.returncode)
         # A life that served is no crash loop: one input took it down, and every caller
