@@ -263,6 +263,28 @@ async def test_with_no_process_to_take_work_nginx_answers_503_not_ready_not_502(
     assert oip.status_code == 503 and oip.json()["error"].startswith("not_ready")
 
 
+async def test_a_job_submit_whose_process_died_after_reading_it_stays_a_502(
+        nginx: Callable[[Sequence[str]], Nginx]) -> None:
+    """Nginx sends a job submit (a POST) once: a process that read it and died may have
+    stored the job, so the caller is not told "503, nothing was taken" (a retry without
+    an Idempotency-Key would make a second job). A stand-in process reads and hangs up."""
+
+    async def read_and_die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                           ) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.transport.abort()
+
+    server = await asyncio.start_server(read_and_die, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    proxy = nginx([f"127.0.0.1:{port}"])
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            answer = await client.post(proxy.url + "/v1/jobs", json={"inputs": window(2)})
+        assert answer.status_code == 502 and "retry-after" not in answer.headers
+    finally:
+        server.close()
+
+
 async def test_job_calls_while_redis_is_away_do_not_take_processes_out_of_nginx(
         redis_server: RedisServer, vega: Callable[..., VegaProcess],
         nginx: Callable[[Sequence[str]], Nginx]) -> None:

@@ -32,6 +32,7 @@ from vega.errors import VegaError
 from vega.executor import Executor, driven, process_plan
 from vega.modelproc import ModelProcessError, ProcessPlan
 from vega.modelproc.child import serve as child_serve
+from vega.modelproc.handle import STABLE_AFTER_BATCHES
 from vega.models import SequenceModel, load_model
 from vega.records import Batch, Item
 
@@ -808,13 +809,13 @@ async def test_a_freed_thread_gets_the_held_batch_before_the_answers_are_handled
 
 async def test_a_model_process_that_served_restarts_at_the_shortest_backoff() -> None:
     """One input taking a serving model process down is no crash loop: the next life
-    starts after the shortest backoff. Lives that die without answering a batch (a model
-    that cannot serve) back off longer each time."""
+    starts after the shortest backoff. Lives that die having answered few batches or
+    none (a model that cannot serve, or dies every other batch) back off longer each time."""
     executor, model = await echo_executor()
     process = executor.processes[0]
 
-    async def killed_and_back(serve_first: bool) -> int:
-        if serve_first:
+    async def killed_and_back(served: int) -> int:
+        for _ in range(served):
             batch = echo_batch(model, 0.5)
             await executor.run(batch)
             assert batch.items[0].future.result()[1] == 4.0
@@ -828,8 +829,9 @@ async def test_a_model_process_that_served_restarts_at_the_shortest_backoff() ->
         return process._failures
 
     try:
-        assert await killed_and_back(serve_first=True) == 1  # from the shortest
-        assert await killed_and_back(serve_first=False) == 2  # served nothing: longer
-        assert await killed_and_back(serve_first=True) == 1
+        assert await killed_and_back(served=STABLE_AFTER_BATCHES) == 1  # from the shortest
+        assert await killed_and_back(served=0) == 2  # served nothing: longer
+        assert await killed_and_back(served=1) == 3  # one batch is no sign of health
+        assert await killed_and_back(served=STABLE_AFTER_BATCHES) == 1
     finally:
         executor.shutdown()

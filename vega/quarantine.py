@@ -35,6 +35,7 @@ _DTYPE = re.compile(r"[<>|=][a-zA-Z]\d{0,2}")
 # saying it has the origin run that batch's inputs alone too.
 WENT_DOWN = "the model process went down running this batch"
 
+
 class Refused(VegaError):
     """An input refused unrun, for having taken a model process down: trying it again
     soon is refused again (a job fails at once, its attempts unspent)."""

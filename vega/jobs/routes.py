@@ -117,8 +117,8 @@ class JobsApi:
     async def _submit(self, request: Request, name: str, body: bytes,
                       with_ttl: bool) -> Reply:
         runtime = self.runtime
-        if runtime.draining:  # a job is stored, not run: a model process restarting is no bar
-            runtime.check_open()
+        if runtime.draining or not runtime.jobs.runners:  # warming up, or shutting down; a
+            runtime.check_open()  # model process restarting is no bar: a job is stored
         served = runtime.served(name)  # not_ready while warming up: its models are not known
         # Whatever VEGA_IDEMPOTENCY_TTL_S (the inline answers'): the store keeps it with the job.
         key = parse_key(request.headers.get("idempotency-key"))

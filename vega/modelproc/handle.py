@@ -42,6 +42,7 @@ log = logging.getLogger("vega.modelproc")
 
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 STABLE_AFTER_S = 60.0  # a child that lived this long resets the backoff
+STABLE_AFTER_BATCHES = 16  # ... or answered this many batches
 EXIT_WAIT_S = 0.2  # at a child's loss, how long the loop waits for its exit status
 INLINE_WAIT_S = 10  # the longest one recv of a payload being written may block (SO_RCVTIMEO)
 
@@ -409,11 +410,12 @@ class ModelProcess:
         if self._closed or life is None or process is not life.process:
             return
         self.exits += 1
-        log.error("model process %d (pid %s) exited with %s; restarting", self.index,
-                  process.pid, process.returncode)
+        log.error("model process %d (pid %s) ended%s; restarting", self.index, process.pid,
+                  _ended(process.returncode))
         # A life that served is no crash loop: one input took it down, and every caller
         # waits out the backoff, so the next life starts at the shortest.
-        if time.monotonic() - self._started_at > STABLE_AFTER_S or life.served:
+        if time.monotonic() - self._started_at > STABLE_AFTER_S or \
+                life.served >= STABLE_AFTER_BATCHES:
             self._failures = 0
         self._stop_child(grace_s=0.0)
         while not self._closed:
@@ -422,6 +424,7 @@ class ModelProcess:
             try:
                 self._spawn(restart=True)
             except ModelProcessError as error:
+                self.exits += 1  # a life that did not start ended too
                 log.error("model process %d: %s; trying again", self.index, error)
                 continue
             if self._closed:  # closed while this life was starting
