@@ -672,12 +672,18 @@ def test_a_hung_batch_turns_the_process_not_ready_until_it_ends(
     assert infer(proc.url).status_code == 200
 
 
+def restarting(echo_process: Callable[..., VegaProcess]) -> VegaProcess:
+    """A server whose model process was just killed, not ready for 3 s while the next
+    one warms up."""
+    proc = echo_process(TEST_LOAD_SLEEP_MS="3000")  # a slow warm-up, after the first too
+    os.kill(model_pid(proc), signal.SIGKILL)
+    wait_until(lambda: not ready(proc), 10, "not ready")
+    return proc
+
+
 def test_requests_while_the_model_process_restarts_get_503_not_ready(
         echo_process: Callable[..., VegaProcess]) -> None:
-    proc = echo_process(TEST_LOAD_SLEEP_MS="3000")  # a slow warm-up, after the first too
-    first = model_pid(proc)
-    os.kill(first, signal.SIGKILL)
-    wait_until(lambda: not ready(proc), 10, "not ready")
+    proc = restarting(echo_process)
     answer = infer(proc.url)
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready"
     assert int(answer.headers["retry-after"]) >= 1
@@ -711,10 +717,7 @@ def test_jobs_queued_through_a_model_process_restart_run_after_it_not_dead_lette
 def test_a_job_submitted_while_the_model_process_restarts_is_taken_and_runs_after(
         echo_process: Callable[..., VegaProcess]) -> None:
     # A job is stored, not run at once: while inference gets 503, a submit gets 202.
-    proc = echo_process(TEST_LOAD_SLEEP_MS="3000")  # a slow warm-up, after the first too
-    first = model_pid(proc)
-    os.kill(first, signal.SIGKILL)
-    wait_until(lambda: not ready(proc), 10, "not ready")
+    proc = restarting(echo_process)
     submitted = httpx.post(proc.url + "/v1/jobs", content=orjson.dumps(
         {"inputs": window(8)}), timeout=5)
     assert submitted.status_code == 202, submitted.text

@@ -53,9 +53,8 @@ class _Held:
 def fingerprint(model: str, sample: object) -> bytes | None:
     """A digest of ``sample`` as the model sees it; None for a sample that is not an array
     (model processes take arrays only)."""
-    if not isinstance(sample, np.ndarray):
-        return None
-    return _digest((model, sample.dtype.str, sample.shape), sample)
+    form = _form(model, sample)
+    return None if form is None else _digest(form, sample)
 
 
 def _form(model: str, sample: object) -> Form | None:
@@ -64,7 +63,8 @@ def _form(model: str, sample: object) -> Form | None:
     return model, sample.dtype.str, sample.shape
 
 
-def _digest(form: Form, sample: np.ndarray) -> bytes:
+def _digest(form: Form, sample: Any) -> bytes:
+    """The digest of an array of ``form``."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(f"{form[0]}\0{form[1]}\0{form[2]}\0".encode())
     digest.update(np.ascontiguousarray(sample).data)

@@ -370,10 +370,10 @@ class Runtime:
         """Where a formed batch runs: here, or on a peer when the wait here is long. One
         that runs here is handed back as the executor's own future, not a coroutine: the
         executor ends it (batch.on_end starts the next batch) before the handlers it wakes."""
-        if self.streams is not None and batch.items[0].priority != JOB \
-                and not self.executor.quarantine.holds(batch):  # jobs move as jobs; suspects stay
+        if self.streams is not None and batch.items[0].priority != JOB:  # jobs move as jobs
             wait_s = self._local_wait_s(batch)
-            if self.streams.worth_handing_off(batch, wait_s):
+            if self.streams.worth_handing_off(batch, wait_s) and \
+                    not self.executor.quarantine.holds(batch):  # a suspect runs here, alone
                 return self._offer_or_run(batch, self.streams, wait_s)
         return self._run_local(batch)
 
