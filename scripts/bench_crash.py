@@ -8,8 +8,8 @@ steps: N closed-loop callers alone, then the same beside one caller that sends a
 the module crashes on (SIGSEGV) every S seconds, as a caller retrying it would (with
 ``--new``, a window not sent before each time, which no quarantine knows). Reported
 per phase: the other callers' answers by status, and their 200s against the phase
-without the crasher (``clean_200_vs_alone``), the restarts of the model process, and
-what the crasher got.
+without the crasher (``clean_200_vs_alone``), the restarts of the model process, the
+seconds ``/readyz`` answered 503 (polled every 20 ms), and what the crasher got.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ async def phase(url: str, seconds: float, connections: int, period_s: float, new
     clean: Counter[str] = Counter()
     crasher: Counter[str] = Counter()
     rng = np.random.default_rng(1)
-    limits = httpx.Limits(max_connections=connections + 2)
+    limits = httpx.Limits(max_connections=connections + 3)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
         end = time.monotonic() + seconds
 
@@ -75,11 +75,24 @@ async def phase(url: str, seconds: float, connections: int, period_s: float, new
                 crasher[outcome(await client.post(url + "/v1/infer", content=crashing))] += 1
                 await asyncio.sleep(max(0.0, min(period_s, end - time.monotonic())))
 
-        await asyncio.gather(crashing(), *(caller() for _ in range(connections)))
+        async def readiness() -> float:
+            """Seconds the server answered /readyz 503 (no model process up), polled."""
+            down, last = 0.0, time.monotonic()
+            while time.monotonic() < end:
+                up = (await client.get(url + "/readyz")).status_code == 200
+                now = time.monotonic()
+                down += 0.0 if up else now - last
+                last = now
+                await asyncio.sleep(0.02)
+            return down
+
+        down, *_ = await asyncio.gather(readiness(), crashing(),
+                                        *(caller() for _ in range(connections)))
         metrics = (await client.get(url + "/metrics")).text
     restarts = sum(float(line.split()[-1]) for line in metrics.splitlines()
                    if line.startswith("vega_model_process_restarts_total"))
-    return {"clean": dict(clean), "crasher": dict(crasher), "restarts": int(restarts)}
+    return {"clean": dict(clean), "crasher": dict(crasher), "restarts": int(restarts),
+            "not_ready_s": round(down, 2)}
 
 
 def main() -> int:

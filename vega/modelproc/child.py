@@ -2,7 +2,9 @@
 
 Started as ``python -m vega.modelproc FD SLOT_FD``, so it shares nothing with
 the parent but a socket (FD) and the shared-memory slot (SLOT_FD, a memfd); the first
-message on the socket is its configuration: the model specs, the device and threads.
+message on the socket is its configuration: the model specs, the device and threads. It
+then imports torch and waits for the second, GO, before building the models (a standby
+waits there until a restart needs it; see spawn.py).
 Each request is a header (orjson) naming the model, ``pad_to``, the slot (one of
 ``lanes``) and the samples' layout in it; the answer is a header with the outputs'
 layout, written over the samples, or carried in the message when they do not fit.
@@ -31,6 +33,7 @@ from vega.models.digest import identity
 
 log = logging.getLogger("vega.modelproc")
 SAID_CHARS = 1000  # of a model's error message, in a reply and in the log
+GO = b"go"  # the parent's second message: build the models now (see spawn.py)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,12 @@ def main(argv: list[str]) -> int:
     memory = memoryview(mmap.mmap(int(argv[1]), config.slot_bytes * config.lanes))
     slots = [memory[k * config.slot_bytes:(k + 1) * config.slot_bytes]  # freed at exit
              for k in range(config.lanes)]
+    _import_torch()
+    try:
+        if conn.recv_bytes() != GO:  # a standby waits here until its life is needed
+            return 1
+    except (EOFError, ConnectionResetError):
+        return 0  # closed while waiting: the server stopped, or this life was not needed
     try:
         models = _load(config)
     except Exception as error:  # a model that cannot load: say why, then exit
@@ -94,6 +103,13 @@ def changed(expected: tuple[tuple[str, str], ...], hello: dict[str, Any]) -> str
                     f"built now {built.get(name)}): it changed on disk? Restart the process "
                     "to serve it")
     return None
+
+
+def _import_torch() -> None:
+    """The slow part of a start (about a second on a CPU), done before GO."""
+    import torch  # noqa: F401
+
+    import vega.models  # noqa: F401
 
 
 def _load(config: ChildConfig) -> dict[str, Any]:

@@ -23,7 +23,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -36,11 +35,12 @@ import orjson
 
 from vega.errors import VegaError
 from vega.modelproc import slot
-from vega.modelproc.child import ChildConfig, changed, encode_config
+from vega.modelproc.child import GO, ChildConfig, changed
+from vega.modelproc.spawn import Child, Standby, start_child, stop_child
 
 log = logging.getLogger("vega.modelproc")
 
-BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+BACKOFF_S = (0.1, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 STABLE_AFTER_S = 60.0  # a child that lived this long resets the backoff
 STABLE_AFTER_BATCHES = 16  # ... or answered this many batches
 EXIT_WAIT_S = 0.2  # at a child's loss, how long the loop waits for its exit status
@@ -176,6 +176,7 @@ class ModelProcess:
         self._closed = False
         self._started_at = 0.0
         self._failures = 0  # consecutive failed lives, for the backoff
+        self.standby = Standby(lambda: start_child(self._config(restart=True), self._slot_fd))
 
     @property
     def up(self) -> bool:
@@ -211,9 +212,8 @@ class ModelProcess:
             with self._send_lock:
                 life.conn.send_bytes(message)
         except OSError as error:  # not sent, so not held: the caller fails it, _lost the rest
-            asyncio.get_running_loop().call_soon(
-                self._lost, life, f"died during a batch ({type(error).__name__})",
-                _blame(error))
+            asyncio.get_running_loop().call_soon(  # (its exit status says who is to blame)
+                self._lost, life, f"died during a batch ({type(error).__name__})", None)
             raise self._restarting() from None
         life.in_child.append(_Sent(lane, answered, time.perf_counter()))
         if len(life.in_child) == 1:
@@ -345,7 +345,9 @@ class ModelProcess:
         the slot."""
         self._closed = True
         self._up.clear()
+        end = time.monotonic() + grace_s
         self._stop_child(grace_s=grace_s)
+        self.standby.close(grace_s=max(0.0, end - time.monotonic()))
         for view in self._slots:
             view.release()
         self._buffer.release()
@@ -354,27 +356,24 @@ class ModelProcess:
 
     # -- one life of the child -------------------------------------------------------
 
-    def _spawn(self, restart: bool) -> None:
-        """Start a life of the child; a restart warms itself up (the first is warmed by the
-        server's warm-up)."""
+    def _config(self, restart: bool) -> ChildConfig:
+        """A life's configuration: a restart warms itself up (the server warms the first)."""
         plan = self.plan
-        config = ChildConfig(specs=plan.specs, device=plan.device,
-                             torch_threads=plan.torch_threads, slot_bytes=plan.slot_bytes,
-                             lanes=plan.lanes,
-                             warm_shapes=plan.warm_shapes if restart else (), cpus=plan.cpus,
-                             log_level=logging.getLogger().getEffectiveLevel())
-        ours, theirs = socket.socketpair()
-        # The child imports the models as this process did: same path, same directory.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vega.modelproc", str(theirs.fileno()),
-             str(self._slot_fd)], pass_fds=(theirs.fileno(), self._slot_fd), env=env,
-            stdin=subprocess.DEVNULL)
-        theirs.close()
-        conn = Connection(ours.detach())
+        return ChildConfig(specs=plan.specs, device=plan.device,
+                           torch_threads=plan.torch_threads, slot_bytes=plan.slot_bytes,
+                           lanes=plan.lanes, warm_shapes=plan.warm_shapes if restart else (),
+                           cpus=plan.cpus, log_level=logging.getLogger().getEffectiveLevel())
+
+    def _spawn(self, restart: bool) -> None:
+        """Start a life of the child: a restart takes the standby, waiting with torch
+        imported."""
+        plan = self.plan
+        child = self.standby.take() if restart \
+            else start_child(self._config(restart=False), self._slot_fd)
+        process, conn = child.process, child.conn
         self._life = _Life(process, conn)
         try:
-            conn.send_bytes(encode_config(config))
+            conn.send_bytes(GO)
             if not conn.poll(plan.start_timeout_s):
                 raise ModelProcessError(f"model process did not load within "
                                         f"{plan.start_timeout_s:g} s")
@@ -401,6 +400,7 @@ class ModelProcess:
         log.info("model process %d ready (pid %d)", self.index, process.pid)
         threading.Thread(target=self._watch, args=(process,), daemon=True,
                          name=f"vega-model-{self.index}-watch").start()
+        self.standby.refill()
 
     def _watch(self, process: subprocess.Popen[bytes]) -> None:
         """Wait for this life of the child to end; unless closing, start the next."""
@@ -420,10 +420,14 @@ class ModelProcess:
         self._stop_child(grace_s=0.0)
         while not self._closed:
             time.sleep(self._backoff_s())
+            if self._closed:  # stopped during the backoff: no life to start, nothing to log
+                return
             self._failures += 1
             try:
                 self._spawn(restart=True)
             except ModelProcessError as error:
+                if self._closed:  # stopped while it started (its pipe closed under it)
+                    return
                 self.exits += 1  # a life that did not start ended too
                 log.error("model process %d: %s; trying again", self.index, error)
                 continue
@@ -445,11 +449,7 @@ class ModelProcess:
             return
         with self._send_lock:  # not while the loop sends on it: os.write(None) raised there
             life.conn.close()  # the child's recv sees EOF and it returns
-        try:
-            life.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            life.process.kill()
-            life.process.wait(5.0)
+        stop_child(Child(life.process, life.conn), grace_s)
 
 
 class Lane:

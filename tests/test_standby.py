@@ -1,0 +1,125 @@
+"""A model process's standby: the child of its next life, started ahead and waiting with
+torch imported, so that a restart only builds and warms the models."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.servers import VegaProcess
+from tests.test_executor import ECHO, echo_batch, echo_executor, infer, model_pid, ready
+from vega.executor import Executor
+from vega.modelproc import handle
+from vega.models import SequenceModel
+
+pytestmark = pytest.mark.slow
+
+
+def imported_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped: it imported torch."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+async def until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < end, what
+        await asyncio.sleep(0.05)
+
+
+async def killed_and_back(executor: Executor, model: SequenceModel) -> None:
+    """Kill the model process's life; wait for the next, and see it answer."""
+    restarts, pid = executor.restarts, executor.processes[0].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    await until(lambda: executor.available and executor.restarts == restarts + 1,
+                "the model process came back")
+    batch = echo_batch(model, 0.5)
+    await executor.run(batch)
+    assert batch.items[0].future.result()[1] == 4.0
+
+
+async def test_a_restart_takes_the_waiting_standby_and_starts_the_next() -> None:
+    executor, model = await echo_executor()
+    process = executor.processes[0]
+    try:
+        standby, first = process.standby.pid, process.pid
+        assert standby is not None and standby != first
+        # It imported torch while the first life served, before any restart needed it.
+        await until(lambda: imported_torch(standby), "the standby imported torch")
+        await killed_and_back(executor, model)
+        assert process.pid == standby  # the restart took the child that was waiting
+        assert process.standby.pid not in (None, standby, first)  # and started the next
+    finally:
+        executor.shutdown()
+
+
+async def test_a_standby_that_died_waiting_is_replaced_by_a_fresh_start() -> None:
+    executor, model = await echo_executor()
+    process = executor.processes[0]
+    try:
+        standby, first = process.standby.pid, process.pid
+        assert standby is not None
+        os.kill(standby, signal.SIGKILL)  # the OOM killer, an operator
+        await killed_and_back(executor, model)
+        assert process.pid not in (None, standby, first)
+    finally:
+        executor.shutdown()
+
+
+async def test_a_standby_exits_on_its_own_when_its_executor_stops() -> None:
+    executor, _ = await echo_executor()
+    waiting = executor.processes[0].standby.child
+    assert waiting is not None
+    await until(lambda: imported_torch(waiting.process.pid), "the standby imported torch")
+    executor.shutdown()
+    # Its pipe closed while it waited for GO: it exited, not killed after the grace.
+    assert waiting.process.returncode == 0
+
+
+def test_a_served_process_shows_its_standby_and_leaves_none_behind(
+        vega: Callable[..., VegaProcess]) -> None:
+    proc = vega(VEGA_MODEL=ECHO, VEGA_EXECUTOR="process")
+    executor = httpx.get(proc.url + "/v1/status", timeout=5).json()["executor"]
+    [standby] = executor["standby_pids"]
+    assert standby not in (None, model_pid(proc))
+    os.kill(model_pid(proc), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not (ready(proc) and model_pid(proc) == standby):
+        assert time.monotonic() < deadline, "the standby took over"
+        time.sleep(0.05)
+    assert infer(proc.url).status_code == 200
+    [after] = httpx.get(proc.url + "/v1/status", timeout=5).json()["executor"]["standby_pids"]
+    assert after not in (None, standby)
+    assert proc.stop() == 0
+    for pid in (standby, after):
+        assert not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.parametrize("backoff_s, load_ms", [(1.0, "0"), (0.0, "1500")],
+                         ids=["during_the_backoff", "while_the_next_life_loads"])
+async def test_a_model_process_stopped_between_lives_starts_none_and_logs_no_failure(
+        backoff_s: float, load_ms: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="vega.modelproc")
+    monkeypatch.setattr(handle, "BACKOFF_S", (backoff_s,))
+    monkeypatch.setenv("TEST_LOAD_SLEEP_MS", load_ms)
+    executor, _ = await echo_executor()
+    process = executor.processes[0]
+    assert process.pid is not None
+    os.kill(process.pid, signal.SIGKILL)
+    await until(lambda: process.exits == 1, "the death seen")
+    await asyncio.sleep(0.3)
+    executor.shutdown()
+    await asyncio.sleep(3.0)  # past the backoff, and a start's import
+    started = [r for r in caplog.records if "ready (pid" in r.getMessage()]
+    assert len(started) == 1  # the first life's; none after the stop
+    assert "failed to start" not in caplog.text and process.exits == 1
