@@ -30,7 +30,7 @@ from vega.modelproc import ModelProcessError, handle
 from vega.modelproc.handle import Lane
 from vega.models import SequenceModel, load_model
 from vega.quarantine import WENT_DOWN, Quarantine, fingerprint
-from vega.records import Batch, Item
+from vega.records import JOB, Batch, Item
 from vega.settle import Settler
 
 # -- the record of suspects and refusals --------------------------------------------------
@@ -277,6 +277,71 @@ async def test_a_batch_run_alone_waits_for_a_process_that_is_up_not_one_restarti
         executor.shutdown()
 
 
+def fake_executor(*processes: FakeProcess) -> Executor:
+    executor = Executor({}, plan=plan(ECHO, "echo"))
+    executor.processes = list(processes)  # type: ignore[arg-type]
+    executor._free = [lane for process in processes for lane in process.lanes]
+    executor.bind(asyncio.get_running_loop())
+    return executor
+
+
+async def test_a_job_batch_s_suspects_run_after_the_inline_work_waiting() -> None:
+    """Job items run only when no inline item waits: a dead job batch's suspects, each
+    waiting for an empty process, do not hold back the inline batch formed after them."""
+    dead, up = FakeProcess(up=False), FakeProcess(up=True)
+    executor = fake_executor(dead, up)
+    loop = asyncio.get_running_loop()
+    try:
+        jobs = items_of(11.0, 12.0, 13.0)
+        for item in jobs:
+            item.priority = JOB
+        ran_in_dead = Batch(model="m", bucket=0, items=jobs, pad_to=4, isolate=True)
+        executor._settler.ended(ran_in_dead, None, ModelProcessError("died", suspect=True),
+                                loop.create_future())
+        inline = Batch(model="m", bucket=0, items=items_of(1.0), pad_to=4, isolate=True)
+        executor.run(inline)
+        sent = []
+        for _ in range(8):
+            await asyncio.sleep(0)
+            if up.held:
+                sent.append(float(up.held[0][0]))
+                up.answer()
+        # The first suspect went at once (nothing inline waited); the inline batch formed
+        # while it ran goes next, ahead of the other two.
+        assert sent == [11.0, 1.0, 12.0, 13.0]
+    finally:
+        executor.shutdown()
+
+
+async def test_a_suspect_whose_caller_left_while_it_waited_is_not_run() -> None:
+    up = FakeProcess(up=True)
+    executor = fake_executor(up)
+    try:
+        executor.run(Batch(model="m", bucket=0, items=items_of(1.0), pad_to=4, isolate=True))
+        executor.quarantine.crashed("m", items_of(2.0, 9.0))
+        suspect = Batch(model="m", bucket=0, items=items_of(2.0), pad_to=4, isolate=True)
+        done = executor.run(suspect)  # waits, alone, for the process to empty
+        await asyncio.sleep(0)
+        suspect.items[0].future.cancel()  # its deadline passed, or its caller hung up
+        up.answer()
+        await asyncio.sleep(0)
+        assert up.held == [] and done.done()  # not sent: it might go down for nobody
+    finally:
+        executor.shutdown()
+
+
+def test_a_later_report_of_a_batch_holding_a_refused_input_leaves_it_refused() -> None:
+    """Two model processes: X hung alone on one (refused), and with Y on the other, whose
+    timeout fires later. X stays refused, not made a suspect that runs again."""
+    async def check() -> None:
+        held = Quarantine()
+        held.crashed("m", items_of(7.0))
+        held.crashed("m", items_of(7.0, 8.0))
+        _, suspects, refused = held.sort("m", items_of(7.0, 8.0))
+        assert len(refused) == 1 and len(suspects) == 1
+    asyncio.run(check())
+
+
 # -- a real model process ------------------------------------------------------------------
 
 
@@ -345,6 +410,35 @@ async def test_an_input_that_kills_the_model_process_takes_it_down_twice_at_most
         assert codes(third) == ["model_error", 4.0 + 31 * 0.5]
         assert "refused" in str(third.items[0].future.exception())
         assert executor.restarts == 2 and executor.available  # not run: nothing went down
+    finally:
+        executor.shutdown()
+
+
+async def test_a_death_first_seen_by_a_send_on_the_closed_pipe_still_blames_the_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child dies running A while the loop packs B for its second lane, and the watcher
+    closes the pipe meanwhile: B's send fails ("handle is closed"), and the exit status,
+    not that error, says whether A is to blame."""
+    model = load_model(ECHO, "echo")
+    assert isinstance(model, SequenceModel)
+    executor = Executor({"echo": model}, plan=plan(ECHO, "echo"))
+    await asyncio.get_running_loop().run_in_executor(None, executor.load, DEVICE)
+    pack = handle.ModelProcess._pack
+
+    def slow_pack(self: handle.ModelProcess, lane: int, name: str, samples: list[Any],
+                  pad_to: int) -> bytes:
+        if float(samples[0][0, 0]) == 3.0:
+            time.sleep(0.6)  # a large batch copied into the slot: the child dies meanwhile
+        return pack(self, lane, name, samples, pad_to)
+
+    monkeypatch.setattr(handle.ModelProcess, "_pack", slow_pack)
+    try:
+        crasher, behind = echo_batch(model, CRASH_MARK), echo_batch(model, 3.0)
+        executor.run(crasher)
+        executor.run(behind)
+        await asyncio.gather(settled(crasher), settled(behind))
+        assert codes(crasher) == ["model_error"] and codes(behind) == ["not_ready"]
+        assert executor.quarantine.refused == 1  # it went down alone: refused
     finally:
         executor.shutdown()
 

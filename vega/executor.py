@@ -33,7 +33,7 @@ import uvloop
 
 from vega.buckets import length_bounds
 from vega.config import Settings
-from vega.errors import drain_ran_out
+from vega.errors import VegaError, drain_ran_out
 from vega.modelproc import ModelProcess, ProcessPlan
 from vega.modelproc.affinity import keep_off
 from vega.modelproc.handle import Answered, Lane
@@ -41,7 +41,7 @@ from vega.modelproc.slot import ALIGN
 from vega.models import ModelAdapter, adopt, holds_the_gil, identity, min_length, release
 from vega.models.loader import ModelLoadError
 from vega.quarantine import Quarantine
-from vega.records import Batch
+from vega.records import JOB, Batch
 from vega.settle import Settler
 
 STOP_WAIT_S = 2.0  # at a stop, how long a batch still running may take to end
@@ -108,7 +108,7 @@ class InThread:
         return outputs, time.perf_counter() - started
 
 
-@dataclass
+@dataclass(eq=False)  # taken from the waiting line by identity
 class _Job:
     """Work for a model process's lane, waiting for one to free."""
 
@@ -116,7 +116,17 @@ class _Job:
     samples: list[Any]
     pad_to: int
     answered: Answered
-    alone: bool = False  # sent only to a model process holding no other batch (Batch.alone)
+    batch: Batch | None = None  # the served batch it runs; None: warm-up, profiling
+
+    @property
+    def alone(self) -> bool:
+        """Sent only to a model process holding no other batch (Batch.alone)."""
+        return self.batch is not None and self.batch.alone
+
+    @property
+    def of_jobs(self) -> bool:
+        """A batch of jobs: it waits while inline work does (suspects alone included)."""
+        return self.batch is not None and self.batch.items[0].priority == JOB
 
 
 class Executor:
@@ -264,7 +274,7 @@ class Executor:
             self.bind(loop)
         samples = [item.sample for item in batch.items]
         self._waiting.append(_Job(batch.model, samples, batch.pad_to,
-                                  partial(self._ran, batch, done), batch.alone))
+                                  partial(self._ran, batch, done), batch))
         self._feed()
         return done
 
@@ -273,7 +283,12 @@ class Executor:
         job to run alone waits for an empty model process, and holds it to itself."""
         up = any(process.up for process in self.processes)
         while self._waiting and self._free:
-            job = self._waiting[0]
+            job = next((job for job in self._waiting if not job.of_jobs), self._waiting[0])
+            if job.batch is not None and not any(item.live for item in job.batch.items):
+                self._waiting.remove(job)  # its callers left while it waited: not run
+                asyncio.get_running_loop().call_soon(job.answered, None, 0.0, time.monotonic(),
+                                                     VegaError("not_ready", "callers left"))
+                continue
             # A restarting process's lane fails a batch at once (503): only while none is up.
             lanes = [free for free in self._free if free.process not in self._alone_in
                      and (free.process.up or not up)
@@ -282,7 +297,7 @@ class Executor:
                 return  # until a batch ends in a process that is up (every end feeds again)
             lane = min(lanes, key=lambda free: (not free.process.up, free.process.in_child))
             self._free.remove(lane)
-            self._waiting.popleft()
+            self._waiting.remove(job)
             if job.alone:
                 self._alone_in.add(lane.process)
             self._running += 1

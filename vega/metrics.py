@@ -96,8 +96,8 @@ class Metrics:
             "or at a peer, refused unrun for a while (500 model_error; vega/quarantine.py)",
             registry=r)
         self.quarantine_refusals = Counter(
-            "vega_quarantine_refusals_total", "Requests refused for an input that took a "
-            "model process down", registry=r)
+            "vega_quarantine_refusals_total", "Instances refused (each of a request's on "
+            "its own) for being an input that took a model process down", registry=r)
         self.overflow_events = Counter(
             "vega_overflow_events_total", "What happened to overflow batches besides a "
             "plain steal: taken_back, reclaimed, dead_lettered, declined, "

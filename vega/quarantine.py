@@ -97,11 +97,15 @@ class Quarantine:
         """``items`` were in the batch the model process was running when it died or hung:
         one alone is refused; several become suspects."""
         held = self._refused if len(items) == 1 else self._suspects
-        until = time.monotonic() + self.hold_s
+        now = time.monotonic()
         for item in items:
             form = _form(model, item.sample)
-            if form is not None:
-                self._hold(held, _digest(form, item.sample), _Held(until, form))
+            if form is None:
+                continue
+            key = _digest(form, item.sample)
+            refused = self._refused.get(key)
+            if refused is None or refused.until <= now:  # a refusal is not made a suspect
+                self._hold(held, key, _Held(now + self.hold_s, form))
 
     def _hold(self, held: dict[bytes, _Held], key: bytes, entry: _Held) -> None:
         self._suspects.pop(key, None)  # held anew, at the end: mostly in expiry order
