@@ -481,11 +481,12 @@ async def test_a_burst_of_polls_past_the_redis_pool_waits_for_connections(
         server.stop()
 
 
-async def test_a_submit_whose_answer_timed_out_is_withdrawn_unless_a_runner_has_it(
+async def test_a_submit_whose_answer_timed_out_is_kept_if_stored_else_withdrawn(
         tmp_path: Any) -> None:
-    # Its caller gets 503 ("nothing was taken"; Nginx sends the job to another process),
-    # so the job must not run here too: whether Redis ran the script before the
-    # withdrawal or after it (still in its input buffer). Unless a runner took it at once.
+    # A submit whose answer came late (a busy loop or host) but that Redis had run is
+    # stored: taken, 202. One Redis has not run yet when the withdrawal comes (still in its
+    # input buffer) gets 503 ("nothing was taken"; Nginx sends it to another process), so
+    # it must never run here: the withdrawal's marker stops it.
     server = RedisServer(tmp_path).start()
     store = RedisStore(server.url, 1.0, 60, 1000)
     script = store._scripts["submit"]
@@ -506,22 +507,23 @@ async def test_a_submit_whose_answer_timed_out_is_withdrawn_unless_a_runner_has_
 
     try:
         now = wall_ms()
-        for fake, key in ((ran_then_timed_out, "k-1"), (ran_later, None),
-                          (ran_and_started, None)):
-            job = Job(id=new_id(), model="m", instances=b"[[[1.0]]]", single=True,
+        for fake, model in ((ran_then_timed_out, "a"), (ran_and_started, "b")):
+            job = Job(id=new_id(), model=model, instances=b"[[[1.0]]]", single=True,
                       priority=0, created_ms=now, expires_ms=now + 60_000)
             store._scripts["submit"] = fake  # type: ignore[assignment]
-            if fake is ran_and_started:  # a runner has it: it was taken, 202
-                assert await store.submit(job, key, "p", 100) == Submitted(
-                    job.id, "queued", True)
-                continue
-            with pytest.raises(redis.exceptions.TimeoutError):
-                await store.submit(job, key, "p", 100)
-            if late:
-                assert await script(**late.pop()) == [4, b""]  # finds the marker: no job
-            assert await store.get("m", job.id) is None
-            assert await store.cmd.xlen(jobs_key("m")) == 0
-            assert await store.cmd.keys("*idem*") == []  # the key is free for the retry
+            assert await store.submit(job, "k-1", "p", 100) == Submitted(
+                job.id, "queued", True)
+            assert await store.get(model, job.id) is not None
+            assert await store.cmd.xlen(jobs_key(model)) == 1  # one job, to run once
+        job = Job(id=new_id(), model="m", instances=b"[[[1.0]]]", single=True,
+                  priority=0, created_ms=now, expires_ms=now + 60_000)
+        store._scripts["submit"] = ran_later  # type: ignore[assignment]
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await store.submit(job, "k-1", "p", 100)
+        assert await script(**late.pop()) == [4, b""]  # finds the marker: no job
+        assert await store.get("m", job.id) is None
+        assert await store.cmd.xlen(jobs_key("m")) == 0
+        assert await store.cmd.keys("vega:{m}:*idem*") == []  # the key is free for the retry
         # The withdrawal times out as well (Redis ran neither answer in time): still a 503,
         # and the job is withdrawn in the background rather than left to run.
         store._scripts["submit"] = ran_then_timed_out  # type: ignore[assignment]

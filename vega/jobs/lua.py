@@ -56,12 +56,13 @@ return attempts
 """
 
 # KEYS: stream, job, idempotency key. ARGV: record ttl ms, the key's value ('' without
-# one). After a submit's answer timed out (its caller gets 503): whichever of the two runs
-# first, the job is not taken. A queued job comes out of the stream, its key is freed, and
-# a marker stays that a later submit finds. Else the status it has (a runner took it).
+# one), '1' to keep a job stored already. After a submit's answer timed out: whichever of
+# the two runs first, the job is taken once or not at all. A job with a status is kept
+# (answered 202) when ARGV[3] says so, or when a runner took it. Else a queued job comes out
+# of the stream, its key is freed, and a marker stays that a later submit finds.
 WITHDRAW = """
 local status = redis.call('HGET', KEYS[2], 'status')
-if status and status ~= 'queued' then return status end
+if status and (status ~= 'queued' or ARGV[3] == '1') then return status end
 local entry = redis.call('HGET', KEYS[2], 'entry')
 if entry then
   redis.call('XACK', KEYS[1], 'workers', entry)

@@ -102,12 +102,13 @@ class RedisStore:
                 args=[job.id, max_depth, ttl_ms, print_ if key is not None else "", *fields],
                 client=self.cmd)
         except rexc.TimeoutError:
-            # Redis may run it yet (a large body, a loaded host), after any look: a 503
-            # says nothing was taken, and Nginx sends the job to another process. So it
-            # is withdrawn, unless a runner has it already (then it was taken: 202).
+            # Its answer came late (a large body, a loop or host busy) or not at all (Redis
+            # paused). Stored already: it was taken, 202. Else Redis may run it yet, after
+            # any look, while a 503 says nothing was taken (Nginx sends the job to another
+            # process): the withdrawal leaves a marker that stops it.
             tag = f"{print_}|{job.id}" if key is not None else ""
             try:
-                withdrawn = await self._withdraw(keys, ttl_ms, tag)
+                withdrawn = await self._withdraw(keys, ttl_ms, tag, keep=True)
             except (rexc.RedisError, OSError):  # still a 503
                 self._unsettled(job.id, keys, ttl_ms, tag)
                 raise
@@ -135,9 +136,11 @@ class RedisStore:
             raise rexc.TimeoutError("the submit was withdrawn after its answer timed out")
         raise queue_full(int(value), max_depth)
 
-    async def _withdraw(self, keys: list[str], ttl_ms: int, tag: str) -> bool:
-        """Whether a submit whose answer timed out is withdrawn (False: a runner has it)."""
-        status = await self._scripts["withdraw"](keys=keys, args=[ttl_ms, tag],
+    async def _withdraw(self, keys: list[str], ttl_ms: int, tag: str, keep: bool = False
+                        ) -> bool:
+        """Whether a submit whose answer timed out is withdrawn (False: a runner has it, or
+        ``keep`` and it is stored)."""
+        status = await self._scripts["withdraw"](keys=keys, args=[ttl_ms, tag, int(keep)],
                                                  client=self.cmd)
         return status in (b"withdrawn", "withdrawn")
 

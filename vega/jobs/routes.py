@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import orjson
+import redis.exceptions as rexc
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -48,9 +49,11 @@ def wants_async(request: Request) -> bool:
                for part in prefer.split(","))
 
 
-def _store_away() -> VegaError:
+def _store_away(error: BaseException | None = None) -> VegaError:
     """503 for a job store that did not answer: away for every process alike."""
-    return VegaError("not_ready", "the job store is unreachable", retry_after_ms=1000.0)
+    what = "did not answer in time" if isinstance(error, rexc.TimeoutError) else \
+        "is unreachable"
+    return VegaError("not_ready", f"the job store {what}", retry_after_ms=1000.0)
 
 
 class JobsApi:
@@ -143,8 +146,8 @@ class JobsApi:
                 raise VegaError("queue_full", error.message,
                                 retry_after_ms=1000 * lane.wait_s(job.model)) from None
             raise
-        except STORE_ERRORS:
-            raise _store_away() from None
+        except STORE_ERRORS as error:
+            raise _store_away(error) from None
         headers = {"Location": f"/v1/jobs/{submitted.id}",
                    "Retry-After": str(max(1, math.ceil(lane.wait_s(job.model))))}
         if not submitted.created:
