@@ -281,6 +281,10 @@ async def test_a_job_submit_whose_process_died_after_reading_it_stays_a_502(
         async with httpx.AsyncClient(timeout=30) as client:
             answer = await client.post(proxy.url + "/v1/jobs", json={"inputs": window(2)})
         assert answer.status_code == 502 and "retry-after" not in answer.headers
+        assert answer.json()["error"]["code"] == "process_lost"  # the error shape, not HTML
+        async with httpx.AsyncClient(timeout=30) as client:
+            answer = await client.post(proxy.url + "/v2/models/sensor/infer", json={})
+        assert answer.status_code == 502 and answer.json()["error"].startswith("process_lost")
     finally:
         server.close()
 

@@ -281,6 +281,13 @@ def test_rows_of_several_inputs_from_json_and_binary() -> None:
                  {"name": "tag", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]}],
       "outputs": [{"name": "score"}, {"name": "score"}]}, "output 'score': asked for twice"),
     ({"id": "a" * 257, "inputs": []}, "'id' must be a string of at most 256"),  # echoed back
+    ({"inputs": [{"name": "ids", "shape": [1, 1], "datatype": "INT64", "data": [1],
+                  "parameters": {"shared_memory_region": "r",
+                                 "shared_memory_byte_size": 8}}]},
+     "input ids: 'shared_memory_region' is not supported by Vega"),  # not the data instead
+    ({"inputs": [[1, 2]]}, "inputs[0] must be an object with a 'name' (one of ids, tag)"),
+    ({"inputs": [{"shape": [1, 1], "datatype": "INT64", "data": [1]}]},
+     "inputs[0] must be an object with a 'name'"),
 ])
 def test_bad_requests_name_what_is_wrong(doc: dict[str, Any], message: str) -> None:
     with pytest.raises(VegaError) as caught:

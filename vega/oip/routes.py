@@ -301,9 +301,12 @@ def _read_inputs(inputs: Any, binary: memoryview, adapter: ModelAdapter,
     specs = {spec.name: spec for spec in adapter.inputs}
     arrays: dict[str, Any] = {}
     offset = 0
-    for tensor in inputs:
-        name = tensor.get("name") if isinstance(tensor, dict) else None
-        if not isinstance(name, str) or name not in specs or name in arrays:
+    for number, tensor in enumerate(inputs):
+        if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
+            raise invalid_input(f"inputs[{number}] must be an object with a 'name' (one of "
+                                f"{', '.join(specs)}), 'datatype', 'shape' and 'data'")
+        name = tensor["name"]
+        if name not in specs or name in arrays:
             raise invalid_input(f"input {name!r}: not an input of model {adapter.name!r}, or "
                                 f"given twice; it takes {', '.join(specs)}")
         spec, what = specs[name], f"input {name}"
@@ -312,8 +315,11 @@ def _read_inputs(inputs: Any, binary: memoryview, adapter: ModelAdapter,
             raise invalid_input(f"{what}: datatype {datatype} does not match the model's "
                                 f"{'/'.join((spec.datatype, *spec.accepts))}")
         shape = _check_shape(tensor.get("shape"), spec, what, settings)
-        size = _parameters(tensor.get("parameters"), f"{what} parameters").get(
-            "binary_data_size")
+        params = _parameters(tensor.get("parameters"), f"{what} parameters")
+        for key in UNSUPPORTED_PARAMETERS:
+            if params.get(key):
+                raise invalid_input(f"{what}: {key!r} is not supported by Vega")
+        size = params.get("binary_data_size")
         if size is not None and "data" in tensor:  # which one the caller meant is unknown
             raise invalid_input(f"{what}: give 'data' or parameters.binary_data_size, not both")
         if size is not None:
