@@ -119,13 +119,11 @@ class _Job:
     batch: Batch | None = None  # the served batch it runs; None: warm-up, profiling
 
     @property
-    def alone(self) -> bool:
-        """Sent only to a model process holding no other batch (Batch.alone)."""
+    def alone(self) -> bool:  # sent only to a model process holding no other batch
         return self.batch is not None and self.batch.alone
 
     @property
-    def of_jobs(self) -> bool:
-        """A batch of jobs: it waits while inline work does (suspects alone included)."""
+    def of_jobs(self) -> bool:  # waits while inline work does (its suspects alone too)
         return self.batch is not None and self.batch.items[0].priority == JOB
 
 
@@ -207,8 +205,7 @@ class Executor:
         return tuple(checked)
 
     def _adopt_output_shapes(self, shapes: Mapping[str, list[list[int]]]) -> None:
-        """The output shapes the model processes found loading the models (whether a model
-        answers one row per step), for this process's metadata."""
+        """The output shapes the model processes found (one row per step?), for metadata."""
         for name, model_shapes in shapes.items():
             adapter = self.models.get(name)
             if adapter is not None and len(model_shapes) == len(adapter.outputs):
@@ -227,9 +224,13 @@ class Executor:
 
     @property
     def exits(self) -> int:
-        """Model process lives that ended unasked, counted as they end (a restart counts
-        once the next life is warm)."""
+        """Model process lives ended unasked, counted as they end (restarts once warm)."""
         return sum(process.exits for process in self.processes)
+
+    def warm(self) -> None:
+        """Warm-up ran: start the standbys (their imports would slow its timed passes)."""
+        for process in self.processes:
+            process.standby.arm()
 
     def _init_thread(self) -> None:
         self._workers.append(threading.current_thread())

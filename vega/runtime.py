@@ -104,9 +104,8 @@ class Runtime:
     async def start(self) -> None:
         """Begin loading and warming in the background; ``ready`` turns true when done.
 
-        The process listens meanwhile, answering 503 ``not_ready``, so a balancer
-        sees it starting rather than a refused connection.
-        """
+        The process listens meanwhile, answering 503 ``not_ready``, so a balancer sees it
+        starting rather than a refused connection."""
         self._starting = asyncio.create_task(self._load_and_warm(), name="warm-up")
         self._starting.add_done_callback(self._started)
 
@@ -141,6 +140,7 @@ class Runtime:
             served.task = asyncio.create_task(batcher.run(), name=f"batcher-{adapter.name}")
             served.task.add_done_callback(_log_task_end)
             self.models[adapter.name] = served
+        self.executor.warm()
         batchers = {n: (m.adapter, m.batcher) for n, m in self.models.items()}
         if s.redis_url:
             self.streams = Streams(s, self.node_id, self.metrics, batchers, self._run_local,

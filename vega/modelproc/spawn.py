@@ -67,6 +67,7 @@ class Standby:
         self._start = start
         self._lock = threading.Lock()  # the watcher thread takes, the server's thread closes
         self._child: Child | None = None
+        self._armed = False  # none is started before arm(): the server's warm-up first
         self._closed = False
 
     @property
@@ -79,10 +80,17 @@ class Standby:
         child = self._child
         return None if child is None else child.process.pid
 
+    def arm(self) -> None:
+        """Keep a child waiting from now on."""
+        with self._lock:
+            self._armed = True
+        self.refill()
+
     def refill(self) -> None:
         """Start the next life's child, unless one is waiting (called once a life is up)."""
         with self._lock:
-            if self._closed or (self._child is not None and self._child.process.poll() is None):
+            if self._closed or not self._armed or \
+                    (self._child is not None and self._child.process.poll() is None):
                 return
             self._child = self._start()
 
