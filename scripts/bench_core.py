@@ -192,16 +192,38 @@ def spawn(port: int, **env: str) -> subprocess.Popen[bytes]:
 
 
 def ready(proc: subprocess.Popen[bytes], port: int) -> subprocess.Popen[bytes]:
-    """``proc`` once its /readyz answers 200; killed after a minute without."""
+    """``proc`` once its /readyz answers 200 and its model processes' standbys have
+    imported torch (a second of CPU after warm-up, not to land in the first phase);
+    killed after a minute without."""
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                executor = httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=5).json()[
+                    "executor"]
+                for pid in executor.get("standby_pids", []):
+                    if pid is not None:
+                        _settled(pid)
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError("server did not become ready")
+
+
+def _settled(pid: int, timeout_s: float = 15.0) -> None:
+    """Until process ``pid`` has used no CPU for 0.3 s (or it is gone)."""
+    ticks, end = -1, time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return
+        now = int(fields[11]) + int(fields[12])
+        if now == ticks:
+            return
+        ticks = now
+        time.sleep(0.3)
 
 
 def bench(port: int, connections: int, seconds: float, length: int, out: Path,
