@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -95,3 +96,21 @@ def test_a_module_drawn_without_a_seed_starts_and_comes_back_after_a_crash(
         assert httpx.post(proc.url + "/v1/infer", json=body).status_code == 200
     finally:
         proc.stop()
+
+
+def test_the_model_list_is_503_while_warming_up_then_lists_the_model(
+        vega: Callable[..., VegaProcess]) -> None:
+    proc = vega(VEGA_MODEL="python:tests.models:echo", TEST_LOAD_SLEEP_MS="4000",
+                wait_ready=False)
+
+    def listed() -> httpx.Response | None:
+        try:
+            return httpx.get(proc.url + "/v1/models", timeout=5)
+        except httpx.TransportError:
+            return None
+    warming = wait_until(listed, 60, "the process listening")
+    # An empty list would read as "serves nothing": not known yet, as the routes say.
+    assert warming.status_code == 503 and warming.json()["error"]["code"] == "not_ready"
+    wait_until(lambda: httpx.get(proc.url + "/readyz", timeout=5).status_code == 200, 60,
+               "warm")
+    assert [m["name"] for m in httpx.get(proc.url + "/v1/models").json()["models"]] == ["echo"]

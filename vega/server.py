@@ -60,6 +60,11 @@ class Api:
         return json_response({"status": "ready"})
 
     async def models(self, request: Request) -> Response:
+        try:  # warming up, the list would be empty: 503, as the model's own routes answer
+            self.runtime.served(None)
+        except VegaError as error:
+            if error.code == "not_ready":
+                return error_response(error)
         return json_response({"models": [describe(s.adapter, self.settings)
                                          for s in self.runtime.models.values()]})
 
