@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -217,6 +218,19 @@ def test_a_module_whose_answers_depend_on_batch_mates_is_warned_about_at_load(
     assert "model 'mean': a 16-step window's answer moved" in mean
     assert "batched with a 32-step window" in mean and "reads the padding past" in mean
     assert "model 'centred'" in centred and "mixes the windows of a batch" in centred
+
+
+def test_a_module_answering_nan_at_load_is_warned_about_as_such_not_as_reading_padding(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class Nan(torch.nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.sum(dim=1) * float("nan")
+
+    with caplog.at_level("WARNING", logger="vega.models"):
+        SequenceModel(Nan(), "nan", channels=8, max_length=64).load("cpu")
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert "model 'nan' answers NaN or infinity" in warning and "500 model_error" in warning
+    assert "padding" not in warning
 
 
 def test_a_module_taking_only_x_is_served_and_its_padding_warned_about(
@@ -540,16 +554,24 @@ def test_a_module_names_the_fewest_steps_it_takes_and_shorter_windows_are_refuse
     np.testing.assert_allclose(model.run(windows, 20), alone, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("least", [0, 300])
-def test_a_min_length_outside_one_to_the_max_length_is_refused_at_load(
-        least: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / f"vega_least_{least}.py").write_text(
+@pytest.mark.parametrize("attrs, said", [
+    ("vega_min_length = 300\n    vega_max_length = 256",
+     "vega_min_length 300 is not within 1..vega_"),
+    ("vega_min_length = 0", "vega_min_length must be 1 or more, not 0"),
+    ("vega_channels = 0", "vega_channels must be 1 or more, not 0"),
+    ("vega_channels = 'three'", "vega_channels must be a whole number, 1 or more, not 'three'"),
+    ("vega_max_length = 99.7", "vega_max_length must be a whole number, 1 or more, not 99.7"),
+    ("vega_channels = True", "vega_channels must be a whole number, 1 or more, not True"),
+], ids=["min_over_max", "min_0", "channels_0", "channels_text", "max_float", "channels_bool"])
+def test_a_module_s_bad_sizes_are_refused_at_load_in_one_line(
+        attrs: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "vega_sizes.py").write_text(
         "import torch\n\n"
         "class Mean(torch.nn.Module):\n"
-        f"    vega_min_length = {least}\n"
-        "    vega_max_length = 256\n\n"
+        f"    {attrs}\n\n"
         "    def forward(self, x, lengths):\n"
         "        return x.mean(dim=1)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ModelLoadError, match=f"vega_min_length {least} is not within 1..vega_"):
-        load_model(f"python:vega_least_{least}:Mean")
+    monkeypatch.delitem(sys.modules, "vega_sizes", raising=False)
+    with pytest.raises(ModelLoadError, match=re.escape(said)):
+        load_model("python:vega_sizes:Mean")

@@ -338,6 +338,11 @@ class SequenceModel:
         window's length, the module reads the steps past ``lengths``; or it mixes the
         windows of a batch. Either way, what a caller gets depends on its batch mates."""
         short, long_ = lengths
+        if not (np.isfinite(alone).all() and np.isfinite(batched).all()):
+            log.warning("model %r answers NaN or infinity for an example window of %d "
+                        "steps at load (alone, or batched with one of %d): a request it "
+                        "answers so gets 500 model_error", self.name, short, long_)
+            return
         scale = float(np.max(np.abs(alone), initial=0.0))
         allowed = self._rounding() * max(1.0, scale)
         moved = _moved(alone, batched)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import operator
 import os
 import re
 import sys
@@ -158,9 +159,9 @@ def _wrap_module(module: Any, name: str) -> ModelAdapter:
         raise ModelLoadError(f"model {name!r} is neither an adapter nor a torch module")
     from vega.models.fitted import fitted
 
-    channels = int(getattr(module, "vega_channels", 8))
-    max_length = int(getattr(module, "vega_max_length", 512))
-    min_length = int(getattr(module, "vega_min_length", 1))
+    channels, max_length, min_length = (_count(module, attr, default, name) for attr, default
+                                        in (("vega_channels", 8), ("vega_max_length", 512),
+                                            ("vega_min_length", 1)))
     if not 1 <= min_length <= max_length:
         raise ModelLoadError(f"model {name!r}: vega_min_length {min_length} is not within "
                              f"1..vega_max_length ({max_length})")
@@ -173,3 +174,17 @@ def _wrap_module(module: Any, name: str) -> ModelAdapter:
     adapter.deterministic = bool(getattr(module, "vega_deterministic", True))  # for the cache
     return adapter
 
+
+def _count(module: Any, attr: str, default: int, name: str) -> int:
+    """A module's ``attr``: a whole number, 1 or more (not a float, which int() would cut)."""
+    value = getattr(module, attr, default)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ModelLoadError(f"model {name!r}: {attr} must be a whole number, 1 or more, "
+                             f"not {value!r}") from None
+    if number < 1:
+        raise ModelLoadError(f"model {name!r}: {attr} must be 1 or more, not {number}")
+    return number
