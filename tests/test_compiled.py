@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -141,6 +142,19 @@ def test_export_refuses_what_it_cannot_compile(tmp_path: Path) -> None:
         assert no_gpu.returncode == 2 and "--device cuda" in no_gpu.stderr
         assert "Traceback" not in no_gpu.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_builds_the_model_under_the_name_it_is_served_by(tmp_path: Path) -> None:
+    """A builder keyed by ``name`` is given VEGA_MODEL_NAME (or --name), as `vega serve`
+    gives it, not the attribute's name: else another model is compiled."""
+    out = str(tmp_path / "x.pt2")
+    by_flag = export("--model", "python:tests.models:echo", "--name", "forecast", "--out", out)
+    by_env = subprocess.run([sys.executable, "-m", "vega", "export", "--model",
+                             "python:tests.models:echo", "--out", out], cwd=ROOT, text=True,
+                            capture_output=True, timeout=600, check=False,
+                            env={**os.environ, "VEGA_MODEL_NAME": "forecast"})
+    for done in (by_flag, by_env):  # the echo adapter cannot be traced: its error names it
+        assert done.returncode == 2 and "model 'forecast'" in done.stderr, done.stderr
 
 
 def test_a_module_that_branches_on_its_values_is_not_compiled(tmp_path: Path) -> None:

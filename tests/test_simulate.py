@@ -104,6 +104,13 @@ def test_latency_model_interpolates_in_size_and_length() -> None:
     assert model.sigma(16, 1) == 0.0  # no p90: no noise
 
 
+def test_profile_of_a_model_spec_builds_it_under_the_name_it_is_served_by() -> None:
+    settings = load_settings(environ={"VEGA_MODEL_NAME": "forecast"})
+    doc = profile.measure(settings, model="python:tests.models:echo", sizes=[1], repeats=1,
+                          buckets=[16])
+    assert doc["model"] == "forecast"  # a builder keyed by name profiles the served model
+
+
 def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
     monkeypatch.setenv("TEST_SLEEP_MS", "1")

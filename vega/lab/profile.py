@@ -43,7 +43,8 @@ EXIT_LOAD = 3  # as `vega serve` exits when its model cannot be loaded
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", help="systemd EnvironmentFile with VEGA_* settings")
-    parser.add_argument("--model", help="model spec (default VEGA_MODEL)")
+    parser.add_argument("--model", help="model spec (default VEGA_MODEL); built under "
+                        "VEGA_MODEL_NAME as `vega serve` builds it, else its default name")
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default VEGA_DEVICE)")
     parser.add_argument("--torch-threads", type=int,
                         help="torch intra-op threads (default VEGA_TORCH_THREADS)")
@@ -101,7 +102,7 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
     from vega.models import load_model, min_length
 
     spec = model or settings.model
-    name = settings.model_name if model is None else ""
+    name = settings.model_name  # a builder keyed by name builds the model it serves
     adapter = load_model(spec, name)
     threads = settings.torch_threads if torch_threads is None else torch_threads
     chosen = pick_device(device or settings.device)

@@ -14,6 +14,7 @@ compiler.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,9 @@ class ExportError(Exception):
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="model spec to compile (python:module:attr, or a built-in)")
+    parser.add_argument("--name", default=os.environ.get("VEGA_MODEL_NAME", ""),
+                        help="the model's name, which a python: builder taking `name` is "
+                             "given (default VEGA_MODEL_NAME, else the attribute's name)")
     parser.add_argument("--out", required=True, help="package to write (a .pt2 file)")
     parser.add_argument("--device", default="cpu",
                         help="cpu or cuda: the device the package will run on (default cpu)")
@@ -52,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         problem = unwritable(Path(args.out))
         if problem is not None:
             raise ExportError(f"--out {args.out}: {problem}")
-        adapter = load_model(args.model)
+        adapter = load_model(args.model, args.name)
         multiple = export_package(adapter, Path(args.out), device=args.device,
                                   multiples=(args.length_multiple,) if args.length_multiple
                                   else MULTIPLES)
