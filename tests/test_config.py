@@ -168,6 +168,22 @@ def test_serve_with_a_bad_setting_exits_2_and_unloadable_model_exits_3() -> None
     assert missing.returncode == 3 and "cannot load" in missing.stderr
 
 
+def test_serve_refuses_a_port_another_server_listens_on_before_building_the_model() -> None:
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        taken = subprocess.run([sys.executable, "-m", "vega", "serve", "--host", "127.0.0.1",
+                                "--port", str(port), "--model", "torchscript:/nonexistent.pt"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=60)
+    finally:
+        other.close()
+    # Said first, in one line: not the model that could not have loaded either.
+    assert taken.returncode == 3 and f"VEGA_PORT={port}: Address already in use" in \
+        taken.stderr and "cannot load" not in taken.stderr, taken.stderr
+
+
 def test_serve_refuses_a_unix_socket_another_server_listens_on(tmp_path: Path) -> None:
     path = str(tmp_path / "vega.sock")
     other = socket.socket(socket.AF_UNIX)

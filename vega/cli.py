@@ -108,9 +108,13 @@ def serve(settings: Settings) -> int:
     sys.setswitchinterval(0.0001)
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     warn_oversubscribed(settings)
-    why = uds_unusable(settings.uds) if settings.uds else None
+    # Checked before the model is built: a start that cannot listen fails in a second.
+    why = uds_unusable(settings.uds) if settings.uds else port_unusable(settings.host,
+                                                                          settings.port)
     if why is not None:
-        print(f"vega: VEGA_UDS={settings.uds}: {why}", file=sys.stderr)
+        where = f"VEGA_UDS={settings.uds}" if settings.uds else \
+            f"VEGA_HOST={settings.host} VEGA_PORT={settings.port}"
+        print(f"vega: {where}: {why}", file=sys.stderr)
         return EXIT_STARTUP
     try:
         app, runtime = create_app(settings)
@@ -146,6 +150,18 @@ def warn_oversubscribed(settings: Settings) -> None:
         log.warning("VEGA_TORCH_THREADS=%d is more than the %d CPUs here: each batch's "
                     "threads wait for each other (1 a process is the default)",
                     settings.torch_threads, cpus)
+
+
+def port_unusable(host: str, port: int) -> str | None:
+    """Why a server cannot listen on ``host:port`` (another process does?), or None."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
 
 
 def uds_unusable(path: str) -> str | None:
