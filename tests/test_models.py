@@ -226,11 +226,18 @@ def test_a_module_answering_nan_at_load_is_warned_about_as_such_not_as_reading_p
         def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
             return x.sum(dim=1) * float("nan")
 
+    class Inverse(torch.nn.Module):  # finite alone; the zeros padding it give infinity
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return (1 / x).sum(dim=1)
+
     with caplog.at_level("WARNING", logger="vega.models"):
         SequenceModel(Nan(), "nan", channels=8, max_length=64).load("cpu")
-    [warning] = [record.getMessage() for record in caplog.records]
-    assert "model 'nan' answers NaN or infinity" in warning and "500 model_error" in warning
-    assert "padding" not in warning
+        SequenceModel(Inverse(), "inverse", channels=8, max_length=64).load("cpu")
+    nan, inverse = (record.getMessage() for record in caplog.records)
+    assert "model 'nan' answers NaN or infinity for a plain 16-step window" in nan
+    assert "500 model_error" in nan and "padding" not in nan and "moved" not in nan
+    assert "model 'inverse' answers a 16-step window with NaN or infinity" in inverse
+    assert "reads the padding past `lengths`" in inverse and "moved" not in inverse
 
 
 def test_a_module_taking_only_x_is_served_and_its_padding_warned_about(
@@ -559,10 +566,17 @@ def test_a_module_names_the_fewest_steps_it_takes_and_shorter_windows_are_refuse
      "vega_min_length 300 is not within 1..vega_"),
     ("vega_min_length = 0", "vega_min_length must be 1 or more, not 0"),
     ("vega_channels = 0", "vega_channels must be 1 or more, not 0"),
-    ("vega_channels = 'three'", "vega_channels must be a whole number, 1 or more, not 'three'"),
-    ("vega_max_length = 99.7", "vega_max_length must be a whole number, 1 or more, not 99.7"),
-    ("vega_channels = True", "vega_channels must be a whole number, 1 or more, not True"),
-], ids=["min_over_max", "min_0", "channels_0", "channels_text", "max_float", "channels_bool"])
+    ("vega_channels = -3", "vega_channels must be 1 or more, not -3"),
+    ("vega_channels = 'three'", "vega_channels must be an int, 1 or more (not a float, even a "
+     "whole one, nor a bool), not 'three'"),
+    ("vega_max_length = 99.7", "vega_max_length must be an int, 1 or more (not a float, even "
+     "a whole one, nor a bool), not 99.7"),
+    ("vega_max_length = 64.0", "vega_max_length must be an int, 1 or more (not a float, even "
+     "a whole one, nor a bool), not 64.0: write 64"),
+    ("vega_channels = True", "vega_channels must be an int, 1 or more (not a float, even a "
+     "whole one, nor a bool), not True"),
+], ids=["min_over_max", "min_0", "channels_0", "channels_negative", "channels_text",
+        "max_float", "max_whole_float", "channels_bool"])
 def test_a_module_s_bad_sizes_are_refused_at_load_in_one_line(
         attrs: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "vega_sizes.py").write_text(

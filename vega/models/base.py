@@ -338,10 +338,10 @@ class SequenceModel:
         window's length, the module reads the steps past ``lengths``; or it mixes the
         windows of a batch. Either way, what a caller gets depends on its batch mates."""
         short, long_ = lengths
-        if not (np.isfinite(alone).all() and np.isfinite(batched).all()):
-            log.warning("model %r answers NaN or infinity for an example window of %d "
-                        "steps at load (alone, or batched with one of %d): a request it "
-                        "answers so gets 500 model_error", self.name, short, long_)
+        if not np.isfinite(alone).all():  # nothing to compare, and the padding is not why
+            log.warning("model %r answers NaN or infinity for a plain %d-step window at "
+                        "load: every request it answers so gets 500 model_error",
+                        self.name, short)
             return
         scale = float(np.max(np.abs(alone), initial=0.0))
         allowed = self._rounding() * max(1.0, scale)
@@ -356,10 +356,15 @@ class SequenceModel:
         else:
             why = ("its forward takes no `lengths`, so it reads the padding: take them and "
                    "mask the steps past each, or send windows of one length")
+        if not np.isfinite(batched).all():  # moved by "nan" would say nothing
+            log.warning("model %r answers a %d-step window with NaN or infinity (500 "
+                        "model_error) when batched with a %d-step window, finite values "
+                        "alone, so what a caller gets depends on its batch mates: %s",
+                        self.name, short, long_, why)
+            return
         log.warning("model %r: a %d-step window's answer moved by up to %.2g (its largest "
                     "value: %.2g) when batched with a %d-step window, so what a caller gets "
                     "depends on its batch mates: %s", self.name, short, moved, scale, long_, why)
-
 
     def _rounding(self) -> float:
         """How far a window's answer may move with its batch's shape from rounding alone: a

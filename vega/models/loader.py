@@ -176,15 +176,19 @@ def _wrap_module(module: Any, name: str) -> ModelAdapter:
 
 
 def _count(module: Any, attr: str, default: int, name: str) -> int:
-    """A module's ``attr``: a whole number, 1 or more (not a float, which int() would cut)."""
+    """A module's ``attr``: an int, 1 or more. A float is refused even when whole (64.0):
+    int() would cut 99.7 to 99 silently, and one rule for every float is the plain one."""
     value = getattr(module, attr, default)
     try:
-        if isinstance(value, bool):
+        if isinstance(value, bool):  # an int to Python, but True is no size
             raise TypeError
         number = operator.index(value)
     except TypeError:
-        raise ModelLoadError(f"model {name!r}: {attr} must be a whole number, 1 or more, "
-                             f"not {value!r}") from None
+        hint = f": write {int(value)}" if isinstance(value, float) and value.is_integer() \
+            else ""
+        raise ModelLoadError(f"model {name!r}: {attr} must be an int, 1 or more (not a "
+                             f"float, even a whole one, nor a bool), not {value!r}{hint}"
+                             ) from None
     if number < 1:
         raise ModelLoadError(f"model {name!r}: {attr} must be 1 or more, not {number}")
     return number
