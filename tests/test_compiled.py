@@ -148,13 +148,23 @@ def test_export_builds_the_model_under_the_name_it_is_served_by(tmp_path: Path) 
     """A builder keyed by ``name`` is given VEGA_MODEL_NAME (or --name), as `vega serve`
     gives it, not the attribute's name: else another model is compiled."""
     out = str(tmp_path / "x.pt2")
-    by_flag = export("--model", "python:tests.models:echo", "--name", "forecast", "--out", out)
+    env_file = tmp_path / "vega.env"
+    env_file.write_text("VEGA_MODEL_NAME=forecast\n")
+    other = tmp_path / "other.env"
+    other.write_text("VEGA_MODEL_NAME=alpha\n")
+    by_flag = export("--model", "python:tests.models:echo", "--model-name", "forecast",
+                     "--env-file", str(other), "--out", out)  # the flag wins, as in serve
+    by_file = export("--model", "python:tests.models:echo", "--env-file", str(env_file),
+                     "--out", out)
     by_env = subprocess.run([sys.executable, "-m", "vega", "export", "--model",
                              "python:tests.models:echo", "--out", out], cwd=ROOT, text=True,
                             capture_output=True, timeout=600, check=False,
                             env={**os.environ, "VEGA_MODEL_NAME": "forecast"})
-    for done in (by_flag, by_env):  # the echo adapter cannot be traced: its error names it
+    for done in (by_flag, by_file, by_env):  # the echo adapter cannot be traced: its error
         assert done.returncode == 2 and "model 'forecast'" in done.stderr, done.stderr
+    bad = export("--model", "python:tests.models:echo", "--name", "a/b", "--out", out)
+    assert bad.returncode == 2 and "VEGA_MODEL_NAME" in bad.stderr and \
+        len(bad.stderr.splitlines()) == 1, bad.stderr  # refused as serve refuses it
 
 
 def test_a_module_that_branches_on_its_values_is_not_compiled(tmp_path: Path) -> None:

@@ -111,6 +111,20 @@ def test_profile_of_a_model_spec_builds_it_under_the_name_it_is_served_by() -> N
     assert doc["model"] == "forecast"  # a builder keyed by name profiles the served model
 
 
+def test_vega_profile_takes_the_model_name_as_serve_does_from_env_file_or_flag(
+        tmp_path: Path) -> None:
+    env_file = tmp_path / "vega.env"
+    env_file.write_text("VEGA_MODEL_NAME=alpha\n")
+    parser = argparse.ArgumentParser()
+    profile.configure(parser)
+    common = ["--env-file", str(env_file), "--model", "python:tests.models:echo",
+              "--buckets", "16", "--sizes", "1", "--repeats", "1"]
+    for flags, name in (([], "alpha"), (["--model-name", "forecast"], "forecast")):
+        out = tmp_path / f"{name}.json"
+        assert profile.run(parser.parse_args([*common, *flags, "--out", str(out)])) == 0
+        assert json.loads(out.read_text())["model"] == name
+
+
 def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
     monkeypatch.setenv("TEST_SLEEP_MS", "1")
@@ -140,6 +154,7 @@ def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
     (["--out", "{tmp}/missing/p.json"], 2, "missing does not exist"),
     (["--out", "{tmp}"], 2, "is a directory"),
     (["--torch-threads", "-1"], 2, "--torch-threads=-1: expected >= 0"),
+    (["--model-name", "a/b"], 2, "VEGA_MODEL_NAME='a/b'"),
     (["--model", "python:nosuch.module:build"], 3, "No module named 'nosuch'"),
     (["--model", "torchscript:{tmp}/none.pt"], 3, "cannot load"),
 ])

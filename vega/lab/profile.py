@@ -43,8 +43,10 @@ EXIT_LOAD = 3  # as `vega serve` exits when its model cannot be loaded
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", help="systemd EnvironmentFile with VEGA_* settings")
-    parser.add_argument("--model", help="model spec (default VEGA_MODEL); built under "
-                        "VEGA_MODEL_NAME as `vega serve` builds it, else its default name")
+    parser.add_argument("--model", help="model spec (default VEGA_MODEL)")
+    parser.add_argument("--model-name", help="the name a python: builder taking `name` is "
+                        "given, as `vega serve` gives it (default VEGA_MODEL_NAME from the "
+                        "environment or --env-file, else the attribute's name)")
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default VEGA_DEVICE)")
     parser.add_argument("--torch-threads", type=int,
                         help="torch intra-op threads (default VEGA_TORCH_THREADS)")
@@ -58,7 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(env_file=args.env_file)
+        named = {} if args.model_name is None else {"VEGA_MODEL_NAME": args.model_name}
+        settings = load_settings(env_file=args.env_file, overrides=named)
         buckets = _ints(args.buckets) if args.buckets else None
         sizes = _ints(args.sizes) if args.sizes else default_sizes(settings.max_batch_size)
     except (ConfigError, ValueError) as error:

@@ -14,12 +14,12 @@ compiler.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from vega.config import ConfigError, load_settings
 from vega.models.base import SequenceModel, min_length
 from vega.models.compiled import FORMAT, PREFIX
 from vega.models.loader import ModelLoadError, default_name, load_model
@@ -39,9 +39,12 @@ class ExportError(Exception):
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="model spec to compile (python:module:attr, or a built-in)")
-    parser.add_argument("--name", default=os.environ.get("VEGA_MODEL_NAME", ""),
-                        help="the model's name, which a python: builder taking `name` is "
-                             "given (default VEGA_MODEL_NAME, else the attribute's name)")
+    parser.add_argument("--model-name", "--name", dest="model_name",
+                        help="the name a python: builder taking `name` is given, as `vega "
+                             "serve` gives it (default VEGA_MODEL_NAME from the environment "
+                             "or --env-file, else the attribute's name)")
+    parser.add_argument("--env-file", help="systemd EnvironmentFile with VEGA_* settings "
+                        "(read for VEGA_MODEL_NAME)")
     parser.add_argument("--out", required=True, help="package to write (a .pt2 file)")
     parser.add_argument("--device", default="cpu",
                         help="cpu or cuda: the device the package will run on (default cpu)")
@@ -56,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
         problem = unwritable(Path(args.out))
         if problem is not None:
             raise ExportError(f"--out {args.out}: {problem}")
-        adapter = load_model(args.model, args.name)
+        adapter = load_model(args.model, served_name(args))
         multiple = export_package(adapter, Path(args.out), device=args.device,
                                   multiples=(args.length_multiple,) if args.length_multiple
                                   else MULTIPLES)
-    except (ModelLoadError, ExportError) as error:
+    except (ConfigError, ModelLoadError, ExportError) as error:
         print(f"vega export: {error}", file=sys.stderr)
         return EXIT_FAILED
     served = default_name(f"aoti:{args.out}")
@@ -71,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
           f"for {args.device}, in {time.monotonic() - started:.0f} s; serve it as "
           f"VEGA_MODEL=aoti:{args.out}, named {served}{rename}", file=sys.stderr)
     return 0
+
+
+def served_name(args: argparse.Namespace) -> str:
+    """VEGA_MODEL_NAME as `vega serve` reads and checks it (flag, environment, env file):
+    a builder keyed by name then compiles the model that is served under that name."""
+    flags = {} if args.model_name is None else {"VEGA_MODEL_NAME": args.model_name}
+    return load_settings(env_file=args.env_file, overrides=flags).model_name
 
 
 def export_package(adapter: Any, out: Path, *, device: str = "cpu",
