@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vega.cli import main, uds_unusable, warn_oversubscribed
+from vega.cli import main, port_unusable, uds_unusable, warn_oversubscribed
 from vega.config import (
     SPECS,
     ConfigError,
@@ -182,6 +182,21 @@ def test_serve_refuses_a_port_another_server_listens_on_before_building_the_mode
     # Said first, in one line: not the model that could not have loaded either.
     assert taken.returncode == 3 and f"VEGA_PORT={port}: Address already in use" in \
         taken.stderr and "cannot load" not in taken.stderr, taken.stderr
+
+
+def test_the_port_check_binds_as_the_server_would() -> None:
+    other = socket.socket()
+    other.bind(("0.0.0.0", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        assert port_unusable("127.0.0.1", port) == "Address already in use"
+        assert port_unusable("localhost", port) == "Address already in use"
+        if socket.has_ipv6:  # IPv6-only, as the event loop binds it: beside IPv4's holder
+            assert port_unusable("::", port) is None
+    finally:
+        other.close()
+    assert port_unusable("127.0.0.1", port) is None
 
 
 def test_serve_refuses_a_unix_socket_another_server_listens_on(tmp_path: Path) -> None:

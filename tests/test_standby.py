@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -134,3 +137,55 @@ async def test_a_model_process_stopped_between_lives_starts_none_and_logs_no_fai
     started = [r for r in caplog.records if "ready (pid" in r.getMessage()]
     assert len(started) == 1  # the first life's; none after the stop
     assert "failed to start" not in caplog.text and process.exits == 1
+
+
+async def test_a_stop_while_a_restart_starts_its_child_leaves_no_child(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No standby waits (before warm-up), so the restart starts a child; the stop comes
+    while it forks. The child must not outlive the stop: it was handed the shared memory
+    the stop frees (and its fd number, reused)."""
+    monkeypatch.setattr(handle, "BACKOFF_S", (0.05,))
+    executor, _ = await echo_executor()
+    process = executor.processes[0]
+    assert process.pid is not None
+    fork = subprocess.Popen
+    started: list[tuple[bool, subprocess.Popen[bytes]]] = []
+    stopped: list[bool] = []
+
+    def slow_fork(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        time.sleep(0.5)  # the watcher thread descheduled just before its fork
+        started.append((bool(stopped), fork(*args, **kwargs)))
+        return started[-1][1]
+
+    monkeypatch.setattr(subprocess, "Popen", slow_fork)
+    os.kill(process.pid, signal.SIGKILL)
+    await until(lambda: process.exits == 1, "the death seen")
+    await asyncio.sleep(0.2)
+    executor.shutdown()
+    stopped.append(True)
+    await until(lambda: bool(started), "the fork")
+    await asyncio.sleep(0.5)
+    [(after_the_stop, child)] = started
+    assert not after_the_stop  # the stop waited: the memory it is handed was still there
+    assert child.poll() is not None  # and it was stopped at once
+
+
+async def test_a_restart_that_runs_out_of_fds_once_tries_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flood of connections can leave no fd for the next life's pipe: that start fails
+    like any other (logged, backed off), not the watcher thread with it."""
+    monkeypatch.setattr(handle, "BACKOFF_S", (0.05, 0.1))
+    executor, _ = await echo_executor()
+    process = executor.processes[0]
+    assert process.pid is not None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+        os.kill(process.pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)  # a start or two failed: no fd for a socket pair
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        await until(lambda: process.up, "the model process came back")
+    finally:
+        executor.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import importlib
 import logging
@@ -153,14 +154,28 @@ def warn_oversubscribed(settings: Settings) -> None:
 
 
 def port_unusable(host: str, port: int) -> str | None:
-    """Why a server cannot listen on ``host:port`` (another process does?), or None."""
+    """Why a server cannot listen on ``host:port`` (another process does?), or None. Bound
+    as the event loop binds it: each address the host resolves to, IPv6 ones IPv6-only,
+    one whose family the host lacks skipped."""
+    probes: list[socket.socket] = []
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            probe.bind((host, port))
+        for family, kind, proto, _, address in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            probe = socket.socket(family, kind, proto)
+            probes.append(probe)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno != errno.EADDRNOTAVAIL:
+                    raise
     except OSError as error:
         return error.strerror or str(error)
+    finally:
+        for probe in probes:
+            probe.close()
     return None
 
 

@@ -36,7 +36,7 @@ import orjson
 from vega.errors import VegaError
 from vega.modelproc import slot
 from vega.modelproc.child import GO, ChildConfig, changed
-from vega.modelproc.spawn import Child, Standby, start_child, stop_child
+from vega.modelproc.spawn import Child, Standby, ended, exit_status, start_child, stop_child
 
 log = logging.getLogger("vega.modelproc")
 
@@ -65,26 +65,6 @@ def _blame(error: BaseException) -> bool | None:
     payload slow to come), as the child may live."""
     return None if isinstance(error, (EOFError, ConnectionResetError, BrokenPipeError)) \
         else False
-
-
-def _exit_status(process: subprocess.Popen[bytes]) -> int | None:
-    """A child's exit status, once its pipe has closed: it is exiting, so the wait is
-    short (None if it is not over soon)."""
-    try:
-        return process.wait(EXIT_WAIT_S)
-    except subprocess.TimeoutExpired:
-        return None
-
-
-def _ended(status: int | None) -> str:
-    """How a child ended, for the log line that says it died: ", killed by SIGSEGV"."""
-    if status is None:
-        return ""
-    try:
-        return f", killed by {signal.Signals(-status).name}" if status < 0 \
-            else f", exit status {status}"
-    except ValueError:
-        return f", killed by signal {-status}"
 
 
 class ModelProcessError(RuntimeError):
@@ -306,8 +286,8 @@ class ModelProcess:
             self._up.clear()
         held = self._let_go(life)
         if blame is None and held:
-            status = _exit_status(life.process)
-            blame, why = status != -signal.SIGKILL, why + _ended(status)
+            status = exit_status(life.process, EXIT_WAIT_S)
+            blame, why = status != -signal.SIGKILL, why + ended(status)
         if life.process.poll() is None:
             life.process.kill()  # its watcher sees it go and restarts it
         if held:  # one that died idle is logged by its watcher
@@ -341,8 +321,7 @@ class ModelProcess:
         return held
 
     def close(self, grace_s: float = 5.0) -> None:
-        """Stop the child (it exits when its pipe closes; killed past ``grace_s``) and free
-        the slot."""
+        """Stop the child and its standby (killed past ``grace_s``); free the slot."""
         self._closed = True
         self._up.clear()
         end = time.monotonic() + grace_s
@@ -365,11 +344,14 @@ class ModelProcess:
                            cpus=plan.cpus, log_level=logging.getLogger().getEffectiveLevel())
 
     def _spawn(self, restart: bool) -> None:
-        """Start a life of the child: a restart takes the standby, waiting with torch
-        imported."""
+        """Start a life of the child (a restart takes the standby, torch imported)."""
         plan = self.plan
         child = self.standby.take() if restart \
             else start_child(self._config(restart=False), self._slot_fd)
+        if child is None or self._closed:  # stopping: its shared memory may be freed
+            if child is not None:
+                stop_child(child, grace_s=0.0)
+            raise ModelProcessError("stopping")
         process, conn = child.process, child.conn
         self._life = _Life(process, conn)
         try:
@@ -411,7 +393,7 @@ class ModelProcess:
             return
         self.exits += 1
         log.error("model process %d (pid %s) ended%s; restarting", self.index, process.pid,
-                  _ended(process.returncode))
+                  ended(process.returncode))
         # A life that served is no crash loop: one input took it down, and every caller
         # waits out the backoff, so the next life starts at the shortest.
         if time.monotonic() - self._started_at > STABLE_AFTER_S or \
@@ -425,7 +407,7 @@ class ModelProcess:
             self._failures += 1
             try:
                 self._spawn(restart=True)
-            except ModelProcessError as error:
+            except (ModelProcessError, OSError) as error:  # OSError: out of fds, processes
                 if self._closed:  # stopped while it started (its pipe closed under it)
                     return
                 self.exits += 1  # a life that did not start ended too

@@ -1,4 +1,4 @@
-"""Starting a model process's child, and keeping the next one waiting.
+"""Starting a model process's child, keeping the next one waiting, and how one ended.
 
 Most of a child's start is importing torch (about a second on a CPU), not building the
 models. So while one life serves, the child for the next is already started and waits with
@@ -12,7 +12,9 @@ before it builds anything; the first life is sent GO at once.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from vega.modelproc.child import ChildConfig, encode_config
+
+log = logging.getLogger("vega.modelproc")
 
 
 @dataclass
@@ -38,10 +42,15 @@ def start_child(config: ChildConfig, slot_fd: int) -> Child:
     ours, theirs = socket.socketpair()
     # The child imports the models as this process did: same path, same directory.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vega.modelproc", str(theirs.fileno()), str(slot_fd)],
-        pass_fds=(theirs.fileno(), slot_fd), env=env, stdin=subprocess.DEVNULL)
-    theirs.close()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vega.modelproc", str(theirs.fileno()), str(slot_fd)],
+            pass_fds=(theirs.fileno(), slot_fd), env=env, stdin=subprocess.DEVNULL)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
     conn = Connection(ours.detach())
     try:
         conn.send_bytes(encode_config(config))
@@ -92,17 +101,23 @@ class Standby:
             if self._closed or not self._armed or \
                     (self._child is not None and self._child.process.poll() is None):
                 return
-            self._child = self._start()
+            try:
+                self._child = self._start()
+            except OSError as error:  # out of fds or processes: a restart starts its own
+                log.warning("model process standby not started: %s", error)
 
-    def take(self) -> Child:
-        """The waiting child if it is still alive, else one started now."""
-        with self._lock:
+    def take(self) -> Child | None:
+        """The waiting child if it is still alive, else one started now; None once closed
+        (the shared memory a child is handed may be freed by then). Raises OSError."""
+        with self._lock:  # started under it: never after close() returned
+            if self._closed:
+                return None
             child, self._child = self._child, None
-        if child is not None and child.process.poll() is None:
-            return child
-        if child is not None:  # it died waiting (the OOM killer, an operator)
-            stop_child(child, grace_s=0.0)
-        return self._start()
+            if child is not None and child.process.poll() is None:
+                return child
+            if child is not None:  # it died waiting (the OOM killer, an operator)
+                stop_child(child, grace_s=0.0)
+            return self._start()
 
     def close(self, grace_s: float) -> None:
         with self._lock:
@@ -110,3 +125,23 @@ class Standby:
             child, self._child = self._child, None
         if child is not None:
             stop_child(child, grace_s)
+
+
+def exit_status(process: subprocess.Popen[bytes], wait_s: float) -> int | None:
+    """A child's exit status, once its pipe has closed: it is exiting, so the wait is
+    short (None if it is not over within ``wait_s``)."""
+    try:
+        return process.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def ended(status: int | None) -> str:
+    """How a child ended, for the log line that says it died: ", killed by SIGSEGV"."""
+    if status is None:
+        return ""
+    try:
+        return f", killed by {signal.Signals(-status).name}" if status < 0 \
+            else f", exit status {status}"
+    except ValueError:
+        return f", killed by signal {-status}"
