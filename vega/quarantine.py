@@ -80,7 +80,7 @@ class Quarantine:
         self._suspects: dict[bytes, _Held] = {}  # by digest, in the order held
         self._refused: dict[bytes, _Held] = {}
         self._forms: set[Form] | None = set()  # the forms held; None: to be counted again
-        self.refusals = 0  # requests refused so far
+        self.refusals = 0  # instances refused so far (each of a request's on its own)
 
     def __bool__(self) -> bool:
         """Whether any input is held: while none is, nothing is looked at."""

@@ -86,7 +86,7 @@ class Standby:
 
     @property
     def pid(self) -> int | None:
-        child = self._child
+        child = self.child
         return None if child is None else child.process.pid
 
     def arm(self) -> None:
