@@ -656,6 +656,25 @@ async def test_a_padded_batch_goes_out_as_an_entry_a_thief_accepts(runtime: Runt
     assert decode_overflow(fields).pad_to == 2
 
 
+async def test_a_process_named_after_a_long_host_name_hands_off_entries_a_thief_accepts(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without VEGA_NODE_ID a process is named host-pid: on a host with a 63-character name
+    (a Kubernetes pod's, say) that was past the 64 characters the wire takes, so every
+    peer dead-lettered its batches as "bad origin" and dropped its replies as "bad node"."""
+    monkeypatch.setattr("socket.gethostname", lambda: "vega-" + "x" * 52 + "-7d9f8")
+    async with solo_runtime(redis_server.url, VEGA_NODE_ID="") as rt:
+        streams = await beats_stopped(rt, [ghost("ghost", 1)])
+        batch, _ = one_window_batch(rt, 3.0)
+        assert await streams.offer(batch, local_wait_s=2.0)
+        [handoff] = streams._pending.values()
+        look: Any = streams.cmd  # untyped: entries are bytes here
+        [(_, fields)] = await look.xrange(overflow_key("echo"), handoff.entry_id,
+                                          handoff.entry_id)
+        assert decode_overflow(fields).origin == rt.node_id
+        reply = encode_reply(Reply(decode_overflow(fields).batch, rt.node_id, 0, (), "declined"))
+        assert decode_reply(reply, 1, CODES).node == rt.node_id  # its own replies pass too
+
+
 async def test_a_reply_stream_redis_refuses_to_read_is_retried_slowly(
         runtime: Runtime, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A reply key of the wrong type (WRONGTYPE) is refused at once: the reply reader

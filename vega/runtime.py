@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vega.admission import Admission, AdmissionConfig
 from vega.batcher import Batcher, BatcherConfig
+from vega.channel.wire import default_node
 from vega.config import Settings
 from vega.errors import VegaError, drain_ran_out, reraisable
 from vega.executor import Executor, pick_device, process_plan
@@ -63,7 +62,7 @@ class Runtime:
     def __init__(self, settings: Settings, adapters: Sequence[ModelAdapter] | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.node_id = settings.node_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.node_id = settings.node_id or default_node()
         self._adapters = list(adapters) if adapters is not None else [
             load_model(settings.model, settings.model_name)]
         self.default_model = self._adapters[0].name

@@ -13,8 +13,11 @@ subtracts a clock-skew allowance (``VEGA_CLOCK_SKEW_MS``) before trusting it.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,17 @@ _IDENTITY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 def wall_ms() -> int:
     """Wall-clock epoch milliseconds: how deadlines cross hosts."""
     return int(time.time() * 1000)
+
+
+def default_node() -> str:
+    """This process's name when VEGA_NODE_ID is unset: host-pid, in the form entries carry.
+    A host's name may not fit it (a 63-character pod name and a pid are past 64
+    characters): then cut, and a digest of the whole keeps two such hosts apart."""
+    host, pid = socket.gethostname(), os.getpid()
+    if _NODE.fullmatch(name := f"{host}-{pid}"):
+        return name
+    tail = f"-{hashlib.blake2b(host.encode(), digest_size=4).hexdigest()}-{pid}"
+    return re.sub(r"[^A-Za-z0-9_.:-]", "_", host)[:64 - len(tail)] + tail
 
 
 class WireError(ValueError):
