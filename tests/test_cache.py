@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 import redis
@@ -16,8 +17,15 @@ from tests.infra import RedisServer
 from tests.models import forwarded, window
 from tests.servers import VegaProcess, wait_until
 from vega.config import load_settings
+from vega.metrics import Metrics
 from vega.models import identity, load_model
-from vega.pressure.cache import ENTRY_OVERHEAD, LruBytes, cache_key, models_to_cache
+from vega.pressure.cache import (
+    ENTRY_OVERHEAD,
+    LruBytes,
+    ResponseCache,
+    cache_key,
+    models_to_cache,
+)
 from vega.server import _cached_as
 
 ECHO = {"VEGA_MODEL": "python:tests.models:echo", "VEGA_LENGTH_BUCKETS": "16",
@@ -64,6 +72,18 @@ def test_keys_are_canonical_and_separate_models_versions_and_shapes() -> None:
               cache_key("m", "1", "1", [{"x": 1, "y": [1.5, 2]}]),
               cache_key("m", "1", "n", [{"x": 2, "y": [1.5, 2]}])}
     assert a not in others and len(others) == 4
+
+
+def test_instances_with_no_canonical_form_have_no_key() -> None:
+    # A BYTES tensor (object array) or nesting past orjson's writer: not cached, not a 500.
+    cache = ResponseCache(1000, {"m": "1"}, Metrics())
+    strings = np.empty(2, dtype=object)
+    strings[:] = [b"a", b"b"]
+    deep: list[Any] = []
+    for _ in range(300):
+        deep = [deep]
+    assert cache.key("m", "n", [strings]) is None and cache.key("m", "n", deep) is None
+    assert cache.key("m", "n", [np.zeros(2, dtype=np.float32)]) is not None
 
 
 class _Fake:

@@ -165,6 +165,16 @@ async def test_binary_v2_answers_are_cached_whole(served: Served) -> None:
         first.headers["inference-header-content-length"]
 
 
+async def test_a_body_nested_past_what_a_cache_key_can_write_gets_the_model_s_422(
+        served: Served) -> None:
+    # orjson parses deeper nesting (1024 levels) than it writes (254): keyed, it was a 500.
+    deep = b'{"inputs": ' + b"[" * 300 + b"]" * 300 + b"}"
+    response = await served.client.post(PATHS["v1"][0], content=deep)
+    assert response.status_code == 422, response.text
+    assert "x-vega-cache" not in response.headers  # not looked up, not stored
+    assert served.counted("internal_error") == 0
+
+
 @pytest.mark.parametrize("protocol", ["v1", "v2"])
 async def test_idempotency_keys_work_on_both_protocols(served: Served, protocol: str) -> None:
     path, body = PATHS[protocol]

@@ -72,6 +72,8 @@ def cached(cache: ResponseCache | None, inner: Handler) -> Handler:
         if "no-store" in control:
             return await inner(call)
         key = cache.key(call.model, call.variant, call.instances)  # before they go
+        if key is None:
+            return await inner(call)
         if "no-cache" not in control:
             stored = await cache.get(call.model, key)
             if stored is not None:

@@ -108,9 +108,15 @@ class ResponseCache:
     def covers(self, model: str) -> bool:
         return model in self.models
 
-    def key(self, model: str, variant: str, instances: Any) -> str:
-        """The key of a covered model's answer to ``instances``, rendered as ``variant``."""
-        return cache_key(model, self.models[model], variant, instances)
+    def key(self, model: str, variant: str, instances: Any) -> str | None:
+        """The key of a covered model's answer to ``instances``, rendered as ``variant``;
+        None where they have no canonical form (nested past orjson's 254 levels, which its
+        parser allows; a BYTES tensor): such a request is not cached, and the model's own
+        check answers it, as it would with no cache (not a 500)."""
+        try:
+            return cache_key(model, self.models[model], variant, instances)
+        except orjson.JSONEncodeError:
+            return None
 
     async def get(self, model: str, key: str) -> bytes | None:
         """The stored body, from this process or Redis; counts hits and misses."""
