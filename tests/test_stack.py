@@ -4,6 +4,7 @@ the guard answers and counts whatever a layer raises."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -329,6 +330,26 @@ async def test_the_body_s_class_wins_over_the_header_s_under_load(
     response = await crowded.client.post("/v1/infer", content=TRUNCATED % b"critical",
                                          headers={"X-Vega-Priority": header})
     assert response.json()["error"]["code"] == "invalid_json"
+
+
+def gzipped_scannable(doc: dict[str, Any]) -> bytes:
+    """``doc`` gzip'd, varied until its compressed bytes hold one '{' and no backslash:
+    bytes a scan for the class would read as a body that names none."""
+    for step in range(10_000):
+        packed = gzip.compress(orjson.dumps({**doc, "id": str(step)}), mtime=0)
+        if packed.count(b"{") == 1 and b"\\" not in packed:
+            return packed
+    raise AssertionError("no such body")
+
+
+async def test_a_compressed_body_s_class_is_read_from_its_text(crowded: Served) -> None:
+    # Scanned as it came, compressed, it named no class: refused as normal, though critical.
+    body = gzipped_scannable({"inputs": window(8), "priority": "critical",
+                              "deadline_ms": 10000})
+    response = await crowded.client.post("/v1/infer", content=body,
+                                         headers={"Content-Encoding": "gzip"})
+    assert response.status_code == 200, response.text
+    assert crowded.counted("queue_full") == 0
 
 
 async def test_a_body_that_may_get_in_or_be_answered_without_the_model_is_parsed(

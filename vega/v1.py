@@ -78,6 +78,9 @@ class V1:
         return str(request.path_params.get("name") or self.runtime.default_model)
 
     def claimed(self, request: Request, body: bytes) -> int | None:
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None and encoding.strip().lower() != "identity":
+            return None  # compressed bytes are not the text: a scan of them misreads the class
         return scanned_priority(body, request.headers.get("x-vega-priority"))
 
     def parse(self, request: Request, model: str, body: bytes, keyed: bool) -> Call:
