@@ -264,6 +264,15 @@ def scanned_priority(body: bytes, header: str | None) -> int | None:
     return NORMAL if value is None else named_priority(value)  # None: the parse answers it
 
 
+def claimed_priority(body: bytes, headers: Headers) -> int | None:
+    """``scanned_priority`` of a body sent as its text; None for a compressed one, whose
+    bytes are not its text (a scan of them misreads the class): only the parse can tell."""
+    encoding = headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() != "identity":
+        return None
+    return scanned_priority(body, headers.get("x-vega-priority"))
+
+
 def parse_deadline_ms(value: Any, settings: Settings) -> float:
     """A positive number of milliseconds, capped at VEGA_MAX_DEADLINE_MS."""
     if value is None:

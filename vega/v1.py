@@ -16,12 +16,12 @@ from vega.calls import Call, Reply
 from vega.config import Settings
 from vega.errors import VegaError
 from vega.httpio import (
+    claimed_priority,
     decompress,
     outputs_json,
     parse_deadline_ms,
     parse_json,
     parse_priority,
-    scanned_priority,
 )
 from vega.pressure.idempotency import fingerprint
 from vega.runtime import Answer, Runtime
@@ -78,10 +78,7 @@ class V1:
         return str(request.path_params.get("name") or self.runtime.default_model)
 
     def claimed(self, request: Request, body: bytes) -> int | None:
-        encoding = request.headers.get("content-encoding")
-        if encoding is not None and encoding.strip().lower() != "identity":
-            return None  # compressed bytes are not the text: a scan of them misreads the class
-        return scanned_priority(body, request.headers.get("x-vega-priority"))
+        return claimed_priority(body, request.headers)
 
     def parse(self, request: Request, model: str, body: bytes, keyed: bool) -> Call:
         """The call a /v1 body makes, fingerprinted when ``keyed`` (idempotent).

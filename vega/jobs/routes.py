@@ -22,13 +22,13 @@ from vega.calls import Reply
 from vega.errors import VegaError, invalid_input
 from vega.httpio import (
     JSON,
+    claimed_priority,
     decompress,
     error_response,
     json_response,
     named_priority,
     parse_json,
     read_body,
-    scanned_priority,
 )
 from vega.jobs.runner import STORE_ERRORS
 from vega.jobs.store import CANCELLED, QUEUED, Job, new_id, valid_id, wall_ms
@@ -91,8 +91,9 @@ class JobsApi:
         # VegaCriticalRefused alert reads them): parsed, else scanned as the Guard does.
         priority = request.scope.get("vega.priority")
         if priority is None:
-            header = request.headers.get("x-vega-priority")
-            named = scanned_priority(body, header) if body else named_priority(header)
+            named = claimed_priority(body, request.headers) if body else None
+            if named is None:  # compressed, or only the parse could tell: the header's
+                named = named_priority(request.headers.get("x-vega-priority"))
             priority = NORMAL if named is None else named
         await conclude(self.runtime, name, priority, reply.outcome, began)
         return Response(reply.body, reply.status, headers=reply.headers, media_type=JSON)
