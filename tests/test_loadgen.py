@@ -230,6 +230,24 @@ def test_prometheus_histogram_delta() -> None:
                                                               [1, 2, 3], 6)
 
 
+def test_batches_are_left_out_when_the_readings_are_of_two_processes() -> None:
+    # Behind Nginx the /metrics before and after the run came from different processes:
+    # their difference was no run's batches (negative counts in report.json).
+    def text(count: int, created: float) -> str:
+        return "\n".join([
+            "# HELP vega_batch_size Items per batch", "# TYPE vega_batch_size histogram",
+            f'vega_batch_size_bucket{{le="1.0",model="m"}} {count}',
+            f'vega_batch_size_bucket{{le="+Inf",model="m"}} {count}',
+            f'vega_batch_size_count{{model="m"}} {count}',
+            f'vega_batch_size_sum{{model="m"}} {count}',
+            "# HELP vega_batch_size_created Items per batch",
+            "# TYPE vega_batch_size_created gauge",
+            f'vega_batch_size_created{{model="m"}} {created}', ""])
+    one = loadgen.batch_distributions(text(5, 1.7e9), text(9, 1.7e9))
+    assert one is not None and one["size"]["count"] == 4
+    assert loadgen.batch_distributions(text(500, 1.7e9), text(9, 1.7e9 + 3)) is None
+
+
 # --- a real run --------------------------------------------------------------------
 
 def test_open_loop_run_against_vega(vega: Callable[..., VegaProcess], tmp_path: Path) -> None:

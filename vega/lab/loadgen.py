@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import datetime
 import itertools
+import re
 import signal
 import sys
 import time
@@ -109,6 +110,9 @@ async def read_metrics(target: Target) -> str | None:
 
 def batch_distributions(before: str | None, after: str | None
                         ) -> dict[str, rep.Distribution] | None:
+    if before and after and any(created(after).get(series, t) != t
+                                for series, t in created(before).items()):
+        return None  # two processes (behind a proxy) or a restart: no difference is the run's
     out = {}
     for key, name in (("size", "vega_batch_size"), ("padding", "vega_batch_padding_ratio")):
         delta = rep.distribution_delta(
@@ -117,6 +121,11 @@ def batch_distributions(before: str | None, after: str | None
         if delta is not None:
             out[key] = delta
     return out or None
+
+
+def created(text: str) -> dict[str, str]:
+    """When the process that wrote ``text`` made each batch histogram: which life it is."""
+    return dict(re.findall(r"^vega_batch_size_created(\S*) (\S+)$", text, re.M))
 
 
 # --- progress ----------------------------------------------------------------------
