@@ -314,21 +314,27 @@ async def test_a_job_submit_whose_process_died_after_reading_it_stays_a_502(
         server.close()
 
 
-async def test_a_body_over_the_limit_gets_vegas_413_from_nginx(
+async def test_a_body_or_header_over_vegas_limit_gets_vegas_answer_from_nginx(
         nginx: Callable[[Sequence[str]], Nginx]) -> None:
     """Nginx refuses a body over client_max_body_size (= VEGA_MAX_BODY_BYTES) itself, before
-    any process sees it: in the route's error shape, as Vega would, not an HTML page."""
-    proxy = nginx(["127.0.0.1:1"])
+    any process sees it: in the route's error shape, as Vega would, not an HTML page. A
+    header line Vega takes (under 64 KiB) passes; Nginx's default refused one of 8 KiB."""
+    proxy = nginx(["127.0.0.1:1"])  # nothing listens: what passes Nginx gets 503 not_ready
     body = b'{"inputs": [' + b" " * (4 * 1024 * 1024) + b"]}"
     async with httpx.AsyncClient(timeout=30) as client:
         v1 = await client.post(proxy.url + "/v1/infer", content=body)
         job = await client.post(proxy.url + "/v1/jobs", content=body,
                                 headers={"Idempotency-Key": "k"})
         v2 = await client.post(proxy.url + "/v2/models/m/infer", content=body)
+        header = [await client.post(proxy.url + "/v1/infer", json={"inputs": window(2)},
+                                    headers={"X-Note": "a" * size}) for size in (9000, 70000)]
     for answer in (v1, job):
         assert answer.status_code == 413, answer.text
         assert answer.json()["error"]["code"] == "payload_too_large"
     assert v2.status_code == 413 and v2.json()["error"].startswith("payload_too_large")
+    assert header[0].status_code == 503 and header[0].json()["error"]["code"] == "not_ready"
+    assert header[1].status_code == 431, header[1].text
+    assert header[1].json()["error"]["code"] == "headers_too_large"
 
 
 async def test_job_calls_while_redis_is_away_do_not_take_processes_out_of_nginx(
