@@ -221,8 +221,8 @@ class Settings:
         "auto, thread or process",
         "Where the model runs: a thread of this process, or a model process of its own "
         "(fed through shared memory, so an eager module's Python does not contend with "
-        "the event loop for the GIL); auto = process for an eager torch module, thread "
-        "for TorchScript and other adapters.")
+        "the event loop for the GIL); auto = process for an eager torch module or a "
+        "compiled package (aoti:), thread for TorchScript and other adapters.")
     model_cpus: tuple[int, ...] = setting("", _cpus, "a CPU list such as 1 or 2-3, or empty",
         "CPUs the model processes run on; the rest of this process keeps off them, so the "
         "event loop does not preempt the model. Empty = no pinning. Only with model processes.")
