@@ -239,6 +239,25 @@ async def test_a_killed_process_is_restarted_and_no_caller_sees_a_502(
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+@pytest.mark.timeout(60)
+def test_a_cluster_whose_listen_address_is_taken_says_so_before_starting_anything() -> None:
+    # Nginx found it only once Redis and every process had started, and its last line,
+    # the one quoted, was "nginx: [emerg] still could not bind()".
+    require("nginx", "redis-server")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VEGA_")}
+    environ.update(VEGA_MODEL="python:tests.models:echo", PYTHONPATH=str(ROOT))
+    run_dir = Path(tempfile.mkdtemp(prefix="vega-cluster-test-"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = subprocess.run([sys.executable, "-m", "vega", "cluster", "-n", "1", "--listen",
+                               listen, "--dir", str(run_dir)],
+                              env=environ, capture_output=True, text=True, cwd=ROOT, timeout=50)
+    assert done.returncode == 3
+    assert done.stderr.splitlines() == [f"vega cluster: --listen {listen}: Address already in use"]
+    assert not (run_dir / "vega-1.log").exists() and not (run_dir / "redis.log").exists()
+    shutil.rmtree(run_dir)
+
+
 @pytest.mark.timeout(120)
 def test_a_cluster_that_cannot_start_says_why_in_one_line_and_stops_everything(
         tmp_path: Path) -> None:

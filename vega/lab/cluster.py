@@ -83,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     if shutil.which("nginx") is None:
         print("vega cluster: nginx not found on PATH", file=sys.stderr)
         return 3
+    why = _listen_unusable(args.listen)
+    if why is not None:
+        print(f"vega cluster: --listen {args.listen}: {why}", file=sys.stderr)
+        return 3
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="vega-cluster-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     # Nginx's workers run as an unprivileged user: they must be able to reach the sockets.
@@ -116,6 +120,18 @@ def run(args: argparse.Namespace) -> int:
         return 3
     finally:
         _stop(procs)
+
+
+def _listen_unusable(listen: str) -> str | None:
+    """Why Nginx cannot listen on ``listen`` (another server does?), or None. Checked before
+    anything starts: Nginx tells only once Redis and the processes are up, in a last line
+    that says only "still could not bind()"."""
+    from vega.cli import port_unusable
+
+    host, _, port = listen.rpartition(":")
+    if listen.startswith("unix:") or not port.isdigit():
+        return None
+    return port_unusable(host.strip("[]") or "0.0.0.0", int(port))
 
 
 class StartFailed(Exception):
