@@ -239,12 +239,8 @@ async def test_nginx_spreads_requests_and_passes_429_through(
     assert sum(metric(p, "vega_requests_total") for p in procs) == 12  # nothing retried
 
 
-async def test_with_no_process_to_take_work_nginx_answers_503_not_ready_not_502(
-        tmp_path: Path, vega: Callable[..., VegaProcess],
-        nginx: Callable[[Sequence[str]], Nginx]) -> None:
-    """Every process out (here: one whose model is still warming, one whose socket is
-    gone): the caller gets the 503 Vega would give, JSON in the route's shape, with
-    Retry-After, so a polite client waits and tries again; never Nginx's HTML 502."""
+async def warming_process(vega: Callable[..., VegaProcess]) -> VegaProcess:
+    """A process listening whose model warms up for a minute: it answers 503 meanwhile."""
     warming = vega(**CLUSTER_ENV, TEST_LOAD_SLEEP_MS="60000", wait_ready=False)
 
     def answers_503() -> bool:
@@ -253,6 +249,16 @@ async def test_with_no_process_to_take_work_nginx_answers_503_not_ready_not_502(
         except httpx.TransportError:
             return False
     await asyncio.to_thread(wait_until, answers_503, 60, "the warming process listening")
+    return warming
+
+
+async def test_with_no_process_to_take_work_nginx_answers_503_not_ready_not_502(
+        tmp_path: Path, vega: Callable[..., VegaProcess],
+        nginx: Callable[[Sequence[str]], Nginx]) -> None:
+    """Every process out (here: one whose model is still warming, one whose socket is
+    gone): the caller gets the 503 Vega would give, JSON in the route's shape, with
+    Retry-After, so a polite client waits and tries again; never Nginx's HTML 502."""
+    warming = await warming_process(vega)
     proxy = nginx([f"127.0.0.1:{warming.port}", f"unix:{tmp_path / 'gone.sock'}"])
     async with httpx.AsyncClient(timeout=30) as client:
         answers = [await client.post(proxy.url + path, json={"inputs": window(2)})
@@ -269,15 +275,8 @@ async def test_job_submits_move_off_a_warming_process(
     """A process warming up (started or restarted) answers job submits 503 at once, and
     Nginx did not resend a POST: least_conn sent it every other submit (a quarter of them
     503 over a restart under `vega cluster -n 2`). One with an Idempotency-Key is resent."""
-    warming = vega(**CLUSTER_ENV, TEST_LOAD_SLEEP_MS="60000", wait_ready=False)
+    warming = await warming_process(vega)
     ready = vega(**CLUSTER_ENV)
-
-    def listening() -> bool:
-        try:
-            return httpx.get(warming.url + "/readyz", timeout=5).status_code == 503
-        except httpx.TransportError:
-            return False
-    await asyncio.to_thread(wait_until, listening, 60, "the warming process listening")
     proxy = nginx([f"127.0.0.1:{warming.port}", f"127.0.0.1:{ready.port}"])
     async with httpx.AsyncClient(timeout=30) as client:
         codes = Counter([(await client.post(proxy.url + "/v1/jobs", json={
