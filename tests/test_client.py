@@ -182,13 +182,19 @@ def test_priority_model_and_token_travel_as_headers() -> None:
 def test_a_422_after_a_refusal_is_the_deadline_running_out_not_a_wrong_request() -> None:
     # The same body was refused for load, then, resent with less of its deadline left, was
     # too short for the server even on an idle queue: the call ran out of time.
-    client, script = scripted(refusal(429, "queue_full", 30),
-                              refusal(422, "invalid_input"))
+    too_late = httpx.Response(422, json={"error": {"code": "invalid_input", "message":
+                              "predicted to take 2.1 ms on an idle server, more than its "
+                              "deadline (1.0 ms)"}})
+    client, script = scripted(refusal(429, "queue_full", 30), too_late)
     with pytest.raises(DeadlineExceededError) as late:
         client.infer(window(4), deadline_s=2.0)
     assert len(script.seen) == 2 and late.value.last is not None
     assert late.value.last.code == "queue_full"
     client, _ = scripted(refusal(422, "invalid_input"))  # at once: the request is wrong
+    with pytest.raises(InvalidRequestError):
+        client.infer(window(4), deadline_s=2.0)
+    # After a refusal, a 422 that is not about the deadline is a wrong request all the same.
+    client, _ = scripted(refusal(429, "queue_full", 30), refusal(422, "invalid_input"))
     with pytest.raises(InvalidRequestError):
         client.infer(window(4), deadline_s=2.0)
 
@@ -366,6 +372,14 @@ def limited(vega_module: Callable[..., VegaProcess]) -> VegaProcess:
     return vega_module(**ECHO, VEGA_RATE_LIMIT="1", VEGA_BURST="2")
 
 
+@pytest.fixture(scope="module")
+def margined(vega_module: Callable[..., VegaProcess]) -> VegaProcess:
+    # As ``limited``, with a 1-s margin in its deadline checks: a call that has less than
+    # that left after a wait gets the 422 of a deadline that no retry could meet.
+    return vega_module(**ECHO, VEGA_RATE_LIMIT="1", VEGA_BURST="2",
+                       VEGA_DEADLINE_MARGIN_MS="1000")
+
+
 @pytest.fixture
 def attempts() -> Iterator[list[tuple[int, str]]]:
     yield []
@@ -407,6 +421,26 @@ def test_a_rate_limited_call_waits_as_told_and_keeps_its_deadline(
         assert time.monotonic() - started <= 0.2 + SLACK_S
     assert attempts == [(429, "rate_limited")]
     assert raised.value.last is not None and raised.value.last.code == "rate_limited"
+
+
+def test_a_422_after_a_refusal_is_the_deadline_only_where_the_server_says_so(
+        margined: VegaProcess, attempts: list[tuple[int, str]]) -> None:
+    # The server refuses for load (here its rate limit) before it checks the input, so a
+    # wrong input under load is first refused, then, resent, refused as wrong.
+    record = lambda status, code: attempts.append((status, code))  # noqa: E731
+    with Client(margined.url, observer=record) as client:
+        client.infer(window(16), deadline_s=5.0)  # the bucket is empty now
+        attempts.clear()
+        with pytest.raises(DeadlineExceededError) as late:
+            client.infer(window(16), deadline_s=1.1)  # after the wait, under the margin
+        assert attempts == [(429, "rate_limited"), (422, "invalid_input")]
+        assert late.value.last is not None and late.value.last.code == "rate_limited"
+        client.infer(window(16), deadline_s=5.0)
+        attempts.clear()
+        with pytest.raises(InvalidRequestError) as wrong:
+            client.infer([[1.0, 2.0]], deadline_s=5.0)
+    assert attempts == [(429, "rate_limited"), (422, "invalid_input")]
+    assert wrong.value.code == "invalid_input" and "shape" in wrong.value.message
 
 
 async def test_a_dead_port_is_retried_then_raises_within_the_deadline() -> None:

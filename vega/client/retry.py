@@ -114,9 +114,10 @@ class Attempts:
         self.observe(status, error.code)
         if isinstance(error, (RefusedError, UnavailableError)):
             return self.backoff(error)
-        if status == 422 and self.last is not None:
+        if status == 422 and self.last is not None and "deadline" in error.message:
             # The same body took a refusal before: only the deadline left changed, and it
-            # is now shorter than the request takes on an idle server.
+            # is now shorter than the request takes on an idle server. Any other 422 is a
+            # wrong request that a refusal for load answered before its input was checked.
             raise self.expired(f"too little of the deadline left ({error.message})")
         error.attempts = self.count
         raise error
