@@ -114,7 +114,8 @@ class Attempts:
         self.observe(status, error.code)
         if isinstance(error, (RefusedError, UnavailableError)):
             return self.backoff(error)
-        if status == 422 and self.last is not None and "deadline" in error.message:
+        # The words of admission's NeverFits for a deadline; a bad deadline_ms names it too.
+        if status == 422 and self.last is not None and "than its deadline" in error.message:
             # The same body took a refusal before: only the deadline left changed, and it
             # is now shorter than the request takes on an idle server. Any other 422 is a
             # wrong request that a refusal for load answered before its input was checked.
