@@ -303,6 +303,19 @@ async def test_a_user_without_a_command_logs_it_once_and_leaves_no_job_half_star
         server.stop()
 
 
+async def test_a_full_backlog_never_asks_for_a_resend_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with served(VEGA_MAX_BATCH_SIZE="1", VEGA_JOBS_MAX_DEPTH="1") as (client, runtime,
+                                                                            model):
+        model.module.sleep_s = 0.3
+        # A fast model's backlog, as predicted:
+        monkeypatch.setattr(runtime.jobs, "wait_s", lambda model: 0.0001)
+        answers = [await submit(client, {"inputs": window(4), "ttl_s": 60}) for _ in range(3)]
+        [refused, *_] = [answer for answer in answers if answer.status_code == 429]
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert refused.json()["error"]["retry_after_ms"] >= 50  # was 0: resent at once
+
+
 async def test_queued_jobs_can_be_cancelled_or_expire_and_never_run(
         store_env: dict[str, str]) -> None:
     env = {"VEGA_MAX_BATCH_SIZE": "1", "VEGA_JOBS_MAX_DEPTH": "6", **store_env}

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from vega.calls import Reply
-from vega.errors import VegaError, invalid_input
+from vega.errors import MIN_RETRY_MS, VegaError, invalid_input
 from vega.httpio import (
     JSON,
     claimed_priority,
@@ -144,8 +144,10 @@ class JobsApi:
             submitted = await lane.submit(job, key, print_)
         except VegaError as error:
             if error.code == "queue_full":
-                raise VegaError("queue_full", error.message,
-                                retry_after_ms=1000 * lane.wait_s(job.model)) from None
+                # Never 0: a fast model's predicted wait rounds to it, and a client that
+                # follows the body's figure would resend at once into the full backlog.
+                raise VegaError("queue_full", error.message, retry_after_ms=max(
+                    MIN_RETRY_MS, 1000 * lane.wait_s(job.model))) from None
             raise
         except STORE_ERRORS as error:
             raise _store_away(error) from None
