@@ -217,6 +217,27 @@ async def test_a_bug_on_a_job_route_is_a_json_500_and_logged(
     assert sum("internal error" in r.getMessage() for r in caplog.records) == 3
 
 
+async def test_claims_not_refreshed_through_an_outage_are_told_once(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def away(*args: Any) -> None:
+        raise ConnectionError("the store is away")
+
+    server = RedisServer(tmp_path).start()
+    try:
+        async with served(VEGA_REDIS_URL=server.url, VEGA_CLAIM_IDLE_MS="30") as (
+                client, runtime, model):
+            model.module.sleep_s = 1.0  # the job is held while its claim is refreshed
+            monkeypatch.setattr(runtime.jobs.store, "refresh", away)
+            with caplog.at_level(logging.WARNING, logger="vega.jobs"):
+                job = (await submit(client, {"inputs": window(4)})).json()["id"]
+                assert (await until_final(client, job))["status"] == "done"
+    finally:
+        server.stop()
+    told = [r for r in caplog.records if "not refreshed" in r.getMessage()]
+    assert len(told) == 1  # not once each 10 ms: ~100 lines a second
+
+
 async def test_hostile_records_in_redis_fail_alone_and_the_jobs_around_them_run(
         tmp_path: Any) -> None:
     # What someone with Redis access could write: a key of another type, a count int()

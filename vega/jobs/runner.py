@@ -64,6 +64,7 @@ class JobRunner:
         self._failed_reclaiming = False  # the last failing pass reclaimed (else took only)
         self._logged_at = 0.0
         self._told = False  # this outage was logged
+        self._claims_logged_at = -OUTAGE_LOG_S
 
     async def run(self) -> None:
         """Claim jobs whenever this process has room for them, until cancelled."""
@@ -124,8 +125,12 @@ class JobRunner:
                 try:
                     await self.lane.store.refresh(self.model, self.lane.node,
                                                   list(self.held.values()))
-                except STORE_ERRORS as error:
-                    log.warning("job claims for %s not refreshed: %s", self.model, said(error))
+                except STORE_ERRORS as error:  # told once a minute, as the store's outage
+                    now = asyncio.get_running_loop().time()
+                    if now - self._claims_logged_at >= OUTAGE_LOG_S:
+                        self._claims_logged_at = now
+                        log.warning("job claims for %s not refreshed: %s", self.model,
+                                    said(error))
 
     async def _start(self, jobs: list[Job]) -> None:
         store = self.lane.store
