@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vega.cli import main, port_unusable, uds_unusable, warn_oversubscribed
+from vega.cli import main, warn_oversubscribed
 from vega.config import (
     SPECS,
     ConfigError,
@@ -20,6 +20,7 @@ from vega.config import (
     load_settings,
     read_env_file,
 )
+from vega.listening import port_unusable, uds_unusable
 
 ROOT = Path(__file__).resolve().parent.parent
 

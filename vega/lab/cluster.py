@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from vega.config import ConfigError, load_settings
+from vega.listening import port_unusable
 
 TEMPLATE = Path(__file__).resolve().parent / "nginx.conf"  # the repository's nginx.conf links here
 
@@ -126,8 +127,6 @@ def _listen_unusable(listen: str) -> str | None:
     """Why Nginx cannot listen on ``listen`` (another server does?), or None. Checked before
     anything starts: Nginx tells only once Redis and the processes are up, in a last line
     that says only "still could not bind()"."""
-    from vega.cli import port_unusable
-
     host, _, port = listen.rpartition(":")
     if listen.startswith("unix:") or not port.isdigit():
         return None
