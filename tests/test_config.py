@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -169,34 +171,31 @@ def test_serve_with_a_bad_setting_exits_2_and_unloadable_model_exits_3() -> None
     assert missing.returncode == 3 and "cannot load" in missing.stderr
 
 
+@contextmanager
+def listener(host: str) -> Iterator[int]:
+    """Another server's socket listening on ``host``, on a free port: the port."""
+    with socket.socket() as other:
+        other.bind((host, 0))
+        other.listen()
+        yield other.getsockname()[1]
+
+
 def test_serve_refuses_a_port_another_server_listens_on_before_building_the_model() -> None:
-    other = socket.socket()
-    other.bind(("127.0.0.1", 0))
-    other.listen()
-    port = other.getsockname()[1]
-    try:
+    with listener("127.0.0.1") as port:
         taken = subprocess.run([sys.executable, "-m", "vega", "serve", "--host", "127.0.0.1",
                                 "--port", str(port), "--model", "torchscript:/nonexistent.pt"],
                                capture_output=True, text=True, cwd=ROOT, timeout=60)
-    finally:
-        other.close()
     # Said first, in one line: not the model that could not have loaded either.
     assert taken.returncode == 3 and f"VEGA_PORT={port}: Address already in use" in \
         taken.stderr and "cannot load" not in taken.stderr, taken.stderr
 
 
 def test_the_port_check_binds_as_the_server_would() -> None:
-    other = socket.socket()
-    other.bind(("0.0.0.0", 0))
-    other.listen()
-    port = other.getsockname()[1]
-    try:
+    with listener("0.0.0.0") as port:
         assert port_unusable("127.0.0.1", port) == "Address already in use"
         assert port_unusable("localhost", port) == "Address already in use"
         if socket.has_ipv6:  # IPv6-only, as the event loop binds it: beside IPv4's holder
             assert port_unusable("::", port) is None
-    finally:
-        other.close()
     assert port_unusable("127.0.0.1", port) is None
 
 
