@@ -214,6 +214,44 @@ def test_latency_and_queue_wait_are_finer_than_the_loops_millisecond_clock(
         assert ms > 0 and abs(ms - round(ms)) > 1e-6, (name, ms)
 
 
+def panel_query(title: str) -> str:
+    """The one query of the panel titled ``title``, as Grafana sends it."""
+    [expr] = [t["expr"] for p in panels(dashboard()) if p["title"] == title for t in p["targets"]]
+    return substitute(expr)
+
+
+def promql_over(tmp_path: Path, expr: str, series: dict[str, str],
+                expected: dict[str, float]) -> None:
+    """Evaluate ``expr`` with promtool over ``series`` (selector -> values every 15 s) at
+    1 min, and check it gives ``expected`` (labels as PromQL writes them -> value)."""
+    test = {
+        "rule_files": [], "evaluation_interval": "15s",
+        "tests": [{"interval": "15s",
+                   "input_series": [{"series": s, "values": v} for s, v in series.items()],
+                   "promql_expr_test": [{"expr": expr, "eval_time": "1m", "exp_samples": [
+                       {"labels": labels, "value": value}
+                       for labels, value in expected.items()]}]}]}
+    (tmp_path / "panel.test.yml").write_text(json.dumps(test))  # JSON is YAML
+    result = promtool("test", "rules", "panel.test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_jobs_by_state_counts_a_shared_redis_backlog_once(tmp_path: Path) -> None:
+    # With Redis every process exports the shared stream's depth: two processes of job
+    # "vega" both say 5 queued. Without Redis ("local") each holds its own jobs: 2 + 1.
+    series = {
+        'vega_redis_up{job="vega",instance="a:8001"}': "1x8",
+        'vega_redis_up{job="vega",instance="b:8001"}': "1x8",
+        'vega_redis_up{job="local",instance="c:8001"}': "0x8",
+        'vega_redis_up{job="local",instance="d:8001"}': "0x8",
+        'vega_jobs_depth{job="vega",instance="a:8001",model="m",state="queued"}': "5x8",
+        'vega_jobs_depth{job="vega",instance="b:8001",model="m",state="queued"}': "5x8",
+        'vega_jobs_depth{job="local",instance="c:8001",model="m",state="queued"}': "2x8",
+        'vega_jobs_depth{job="local",instance="d:8001",model="m",state="queued"}': "1x8",
+    }
+    promql_over(tmp_path, panel_query("Jobs by state"), series, {'{state="queued"}': 8})
+
+
 # -- a real Prometheus scraping a real server ----------------------------------------
 
 
