@@ -248,6 +248,23 @@ async def test_a_hand_off_nobody_takes_is_taken_back_and_run_locally(runtime: Ru
     await check_an_unclaimed_hand_off_is_taken_back(runtime)
 
 
+async def test_a_batch_taken_back_is_timed_where_it_ran(runtime: Runtime) -> None:
+    """The batcher saw the hand-off end before the batch ran: the run here after it is taken
+    back is the one vega_inference_seconds times (as a thief times a stolen one)."""
+    timed = runtime.metrics.inference.labels("echo")
+    before = sum(timed.counts)
+    streams = await ghost_peer_only(runtime)
+    batch, item = one_window_batch(runtime, 5.0)
+    assert await streams.offer(batch, local_wait_s=0.02)
+    await asyncio.wait_for(item.future, 5.0)
+    assert streams.metrics.overflow_events.labels("taken_back")._value.get() == 1
+    for _ in range(100):  # the batch's end is told after its items are answered
+        if sum(timed.counts) > before:
+            break
+        await asyncio.sleep(0.01)
+    assert sum(timed.counts) == before + 1 and timed.sum > 0
+
+
 async def test_a_batch_taken_back_before_its_xadd_returns_is_left_to_no_thief(
         runtime: Runtime, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The origin's timer may take a batch back while its XADD is on its way (a slow Redis);

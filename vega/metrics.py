@@ -52,8 +52,8 @@ class Metrics:
                                        "Timesteps run through the model, padding included",
                                        ["model"], r)
         self.inference = LoopHistogram("vega_inference_seconds", "Forward pass time per batch "
-                                       "that ran (a failed one is not timed here)",
-                                       ["model"], r, LATENCY_BUCKETS)
+                                       "run here, stolen ones included (a failed one is not "
+                                       "timed)", ["model"], r, LATENCY_BUCKETS)
 
         self.paced = Counter("vega_refusals_paced_total",
                              "Refusals held for their turn (VEGA_REFUSAL_RATE)", ["model"],
@@ -182,18 +182,23 @@ class Metrics:
             children[2].observe(seconds)
 
     def observe_batch(self, batch: Batch) -> None:
-        """Once per finished batch: sizes, padding, inference and queue waits."""
+        """Once per batch formed here, run here or handed to a peer: sizes, padding and
+        queue waits (its forward pass: observe_run)."""
         model = batch.model
         self.last_batch_ms[model] = int(time.time() * 1000)
         self.batch_size.labels(model).observe(batch.size)
         self.padding.labels(model).observe(batch.padding_ratio)
         self.batch_steps.labels(model).inc(batch.steps)
         self.padded_steps.labels(model).inc(batch.padded_steps)
-        if batch.infer_s > 0:
-            self.inference.labels(model).observe(batch.infer_s)
         wait = self.queue_wait.labels(model)
         for item in batch.items:
             wait.observe(item.queue_s)
+
+    def observe_run(self, batch: Batch) -> None:
+        """Once per batch run here: its forward pass, where it ran (a batch handed off was
+        observed at its hand-off, unrun; a stolen one is timed at the thief)."""
+        if batch.infer_s > 0:
+            self.inference.labels(batch.model).observe(batch.infer_s)
 
     def set_queue(self, model: str, depths: list[int], rate: float) -> None:
         for name, depth in zip(PRIORITY_NAMES, depths):

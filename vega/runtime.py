@@ -384,11 +384,12 @@ class Runtime:
     def _run_local(self, batch: Batch) -> asyncio.Future[None]:
         done = self.executor.run(batch)
         self._local_batches += 1
-        done.add_done_callback(self._ran_local)
+        done.add_done_callback(functools.partial(self._ran_local, batch))
         return done
 
-    def _ran_local(self, _done: asyncio.Future[None]) -> None:
+    def _ran_local(self, batch: Batch, _done: asyncio.Future[None]) -> None:
         self._local_batches -= 1
+        self.metrics.observe_run(batch)
 
     def _local_wait_s(self, batch: Batch) -> float:
         """Predicted wait before ``batch`` would start here: the queue, then the batches ahead."""
