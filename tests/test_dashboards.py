@@ -20,7 +20,9 @@ import pytest
 from tests.infra import require
 from tests.models import window
 from tests.servers import ROOT, VegaProcess, free_port, metric, wait_until
+from vega.errors import REFUSALS, STATUS_BY_CODE
 from vega.metrics import LATENCY_BUCKETS, Metrics
+from vega.records import PRIORITY_NAMES
 
 pytestmark = pytest.mark.slow  # started first (tests/scheduling.py)
 
@@ -199,6 +201,57 @@ def test_dashboard_and_rules_name_only_metrics_that_exist() -> None:
     sources = "".join(path.read_text() for path in (ROOT / "vega").rglob("*.py"))
     events = set(re.findall(r'event="(\w+)"', text))
     assert events and not [e for e in events if f'labels("{e}")' not in sources], events
+
+
+def metric_labels() -> dict[str, set[str]]:
+    """Label names of each series vega/metrics.py exports, and of each recorded one (its
+    rule's ``by``), with those Prometheus adds (job, instance) and histograms' ``le``."""
+    found: dict[str, set[str]] = {}
+    metrics = Metrics()
+    for family in metrics.registry.collect():
+        collector = next(c for c in vars(metrics).values()
+                         if getattr(c, "_name", getattr(c, "name", None)) == family.name)
+        names = getattr(collector, "_labelnames", getattr(collector, "labelnames", ()))
+        for suffix in ("", "_total", "_bucket", "_sum", "_count"):
+            found[family.name + suffix] = {*names, "job", "instance", "le"}
+    for name, by in re.findall(r"- record: (\S+)\n\s+expr: .*?by \(([^)]*)\)",
+                               RULES.read_text()):
+        found[name] = {label.strip() for label in by.split(",")}
+    found["up"] = {"job", "instance"}
+    return found
+
+
+def test_dashboard_and_rules_use_only_labels_their_series_have() -> None:
+    """A matcher, grouping or legend naming a label its series lack still evaluates, with
+    data: ``model=~".*"`` matches a series with no model label, so a filter that filters
+    nothing passes every other check. Each label named must be one the series read carry,
+    and each outcome, reason, class and state value one the code gives."""
+    labels = metric_labels()
+    texts = [(f"rule {name}", expr) for name, expr in
+             re.findall(r"- (?:record|alert): (\S+)\n\s+expr: (>-\n(?:\s{10,}.*\n)+|.*)",
+                        RULES.read_text())]
+    texts += [(where, expr) for _, where, expr in dashboard_expressions()]
+    legends = {f"panel {p['title']!r} {t['refId']}": t.get("legendFormat", "")
+               for p in panels(dashboard()) for t in p["targets"]}
+    values = {"outcome": {"ok", "job", "disconnected", *STATUS_BY_CODE},
+              "reason": set(REFUSALS), "priority": set(PRIORITY_NAMES),
+              "state": {"queued", "pending"}, "direction": {"in", "out"}}
+    failures = []
+    for where, expr in texts:
+        read = set(re.findall(r"\b(vega[_:][\w:]+|up)\b(?!\s*\()", expr))
+        assert read and read <= set(labels), (where, read - set(labels))
+        have = set.union(*(labels[name] for name in read))
+        named = {label for group in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)
+                 for label in re.split(r"\s*,\s*", group.strip()) if label}
+        named |= set(re.findall(r"[{,]\s*(\w+)\s*[!=]~?", expr))
+        named |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legends.get(where, "")))
+        if named - have:
+            failures.append(f"{where} names {named - have}, which {sorted(read)} lack")
+        for label, value in re.findall(r"\b(\w+)\s*[!=]~?\s*\"([^\"]*)\"", expr):
+            unknown = set(value.split("|")) - values.get(label, set(value.split("|")))
+            if unknown:
+                failures.append(f"{where}: {label} is never {unknown}")
+    assert not failures, "\n".join(failures)
 
 
 def test_latency_and_queue_wait_are_finer_than_the_loops_millisecond_clock(
