@@ -449,3 +449,36 @@ def drawn(name: str) -> Any:
             return answer
 
     return Drawn()
+
+
+def lazy(name: str) -> Any:
+    """A linear layer whose input size is found at its first forward (``LazyLinear``):
+    its parameters hold no values as built."""
+    import torch
+
+    class Lazy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.linear = torch.nn.LazyLinear(2)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            answer: torch.Tensor = self.linear(x.sum(dim=1) / lengths[:, None])
+            return answer
+
+    return Lazy()
+
+
+def quantized(name: str) -> Any:
+    """``_linear``'s mean, drawn from TEST_SEED, its layer quantized dynamically to int8 (as
+    for a CPU): packed weights and a dtype in its state, not plain tensors."""
+    import warnings
+
+    import torch
+
+    torch.manual_seed(int(os.environ.get("TEST_SEED", "0")))
+    with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors
+        warnings.simplefilter("ignore")
+        quantize = torch.ao.quantization.quantize_dynamic
+        return quantize(_linear(8, 2, mean=True), {torch.nn.Linear},  # type: ignore[no-untyped-call]
+                        dtype=torch.qint8)

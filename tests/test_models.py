@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.inproc import in_process
 from tests.models import per_patch, per_step, three_channels
 from vega.errors import VegaError
 from vega.models import SequenceModel, identity, load_model
@@ -589,3 +590,29 @@ def test_a_module_s_bad_sizes_are_refused_at_load_in_one_line(
     monkeypatch.delitem(sys.modules, "vega_sizes", raising=False)
     with pytest.raises(ModelLoadError, match=re.escape(said)):
         load_model("python:vega_sizes:Mean")
+
+
+@pytest.mark.parametrize("kind", ["lazy", "quantized"])
+async def test_a_lazy_or_quantized_module_is_served_as_it_answers_alone(kind: str) -> None:
+    # The serving process hashes a module as built (its identity) before its model process
+    # runs it: a lazy layer's parameters hold no values yet, a quantized layer's state
+    # holds a dtype and packed, quantized weights. That hash stopped the start.
+    reference = load_model(f"python:tests.models:{kind}")
+    reference.load("cpu")
+    windows = [np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
+               for n in (16, 100)]
+    async with in_process({"VEGA_MODEL": f"python:tests.models:{kind}"}) as (client, runtime):
+        assert runtime.executor.kind == "process"
+        for sample in windows:
+            answer = await client.post("/v1/infer", json={"inputs": sample.tolist()})
+            assert answer.status_code == 200, answer.text
+            # One window at a time: a dynamically quantized layer scales by its whole batch.
+            alone = reference.run([sample], sample.shape[0])[0]
+            np.testing.assert_allclose(answer.json()["outputs"], alone, atol=1e-5)
+
+
+def test_a_quantized_modules_identity_follows_its_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    first, again = (identity(load_model("python:tests.models:quantized")) for _ in range(2))
+    monkeypatch.setenv("TEST_SEED", "1")
+    assert first == again != identity(load_model("python:tests.models:quantized"))

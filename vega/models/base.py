@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from vega.errors import VegaError, invalid_input
-from vega.models.digest import code_of, identity
+from vega.models.digest import code_of, identity, state_bytes
 from vega.models.values import all_finite, finite_float32, kind_name
 
 log = logging.getLogger("vega.models")
@@ -246,16 +246,13 @@ class SequenceModel:
         """A digest of the module's parameters, buffers and code: new weights, or a new
         forward, under the same version are new answers (the response cache and the
         overflow channel key on it); "" for a callable that is not a torch module."""
-        import torch
-
         state = getattr(self.module, "state_dict", None)
         if state is None:
             return ""
         digest = hashlib.blake2b(digest_size=16)
-        for name, tensor in state().items():
-            data = tensor.detach().cpu().contiguous().reshape(-1)
-            digest.update(f"{name}:{data.dtype}:{tuple(tensor.shape)};".encode())
-            digest.update(data.view(torch.uint8).numpy().data)
+        for name, value in state().items():
+            for part in state_bytes(name, value):
+                digest.update(part)
         for code in code_of(self.module):
             digest.update(code)
         return digest.hexdigest()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -33,6 +34,30 @@ def identity(adapter: ModelAdapter) -> str:
 def adopt(adapter: ModelAdapter, known: str) -> None:
     """Take ``known`` as the model's identity: that of the copy a model process built."""
     _IDENTITIES[adapter] = known
+
+
+def state_bytes(name: str, value: Any) -> Iterator[bytes]:
+    """What one ``state_dict`` entry holds, as bytes: a tensor's type, shape and values.
+    Not every entry is a plain tensor: a lazy module's parameters have no values until its
+    first forward, a dynamically quantized layer holds a dtype and a tuple of tensors, some
+    of them quantized, and extra state may be any value (its repr)."""
+    import torch
+
+    if isinstance(value, (tuple, list)):
+        for index, part in enumerate(value):
+            yield from state_bytes(f"{name}.{index}", part)
+        return
+    if not isinstance(value, torch.Tensor):
+        yield f"{name}={value!r};".encode()
+        return
+    if torch.nn.parameter.is_lazy(value):
+        yield f"{name}:uninitialized;".encode()
+        return
+    if value.is_quantized:  # its stored integers, scaled: the values it computes with
+        value = value.dequantize()
+    data = value.detach().cpu().contiguous().reshape(-1)
+    yield f"{name}:{data.dtype}:{tuple(value.shape)};".encode()
+    yield data.view(torch.uint8).numpy().data
 
 
 def code_of(module: Any) -> list[bytes]:
