@@ -195,6 +195,16 @@ def test_a_module_answering_anything_but_one_tensor_is_refused_at_load() -> None
         SequenceModel(Pair(), "pair", channels=8, max_length=64).load("cpu")
 
 
+def test_a_module_answering_one_number_for_its_batch_is_refused_at_load_saying_so() -> None:
+    class Squeezed(torch.nn.Module):  # [B] from [B, 1], but [] for a batch of one
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.mean(dim=(1, 2))[:, None].squeeze()
+
+    with pytest.raises(TypeError, match=r"returned one number for a batch of 1, not a tensor "
+                                        r"\[B, \.\.\.\] with a row per window"):
+        SequenceModel(Squeezed(), "squeezed", channels=8, max_length=64).load("cpu")
+
+
 def test_a_module_whose_answers_depend_on_batch_mates_is_warned_about_at_load(
         caplog: pytest.LogCaptureFixture) -> None:
     class Mean(torch.nn.Module):  # a mean over every step, padding too: lengths unused

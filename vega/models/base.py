@@ -294,6 +294,10 @@ class SequenceModel:
             raise NotATensor(f"model {self.name!r} returned a {type(out).__name__}, not a tensor: "
                             "a module answers one tensor [B, ...]; a model with several "
                             "outputs is a vega.models.ModelAdapter")
+        if out.dim() == 0:  # `.squeeze()` of a [1, 1] answer, say: whose number is it?
+            raise NotATensor(f"model {self.name!r} returned one number for a batch of "
+                             f"{len(samples)}, not a tensor [B, ...] with a row per window "
+                             "(`.squeeze()` drops the batch of one: squeeze(-1))")
         if out.requires_grad:  # a user module may hand back a parameter itself
             out = out.detach()
         if out.device.type != "cpu" or out.dtype != torch.float32:
