@@ -311,6 +311,25 @@ def test_only_a_module_vega_cannot_call_as_it_is_gets_wrapped() -> None:
     assert fitted(takes.half()).dtype == torch.float16  # cast to, lengths still given
 
 
+def test_a_compiled_module_is_called_as_the_module_it_compiled() -> None:
+    # torch.compile's wrapper takes (*args, **kwargs): what its module takes is behind it.
+    class Mean(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mean(dim=1)
+
+    class KeywordSum(torch.nn.Module):
+        def forward(self, x: torch.Tensor, *, lengths: torch.Tensor) -> torch.Tensor:
+            return x.sum(dim=1) / lengths[:, None].to(x.dtype)
+
+    windows = [np.full((4, 8), 1.0, np.float32), np.full((4, 8), 3.0, np.float32)]
+    for module in (Mean(), KeywordSum()):
+        compiled = torch.compile(module, backend="eager")  # traced, no compiler needed
+        model = SequenceModel(fitted(compiled), "compiled", channels=8, max_length=64)
+        model.load("cpu")
+        np.testing.assert_allclose(np.stack(model.run(windows, 4)),
+                                   np.full((2, 8), [[1.0], [3.0]]))
+
+
 # TorchScript is deprecated in torch 2.13 but still what many teams have saved.
 @pytest.mark.filterwarnings("ignore:`torch.jit.*deprecated:DeprecationWarning")
 def test_a_torchscript_module_taking_only_x_is_served(tmp_path: Path) -> None:

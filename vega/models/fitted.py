@@ -50,7 +50,7 @@ def fitted(module: Any) -> Any:
 def lengths_by_name(module: torch.nn.Module) -> bool:
     """Whether ``module``'s forward takes a keyword-only ``lengths``."""
     try:
-        found = inspect.signature(module.forward).parameters.get("lengths")
+        found = inspect.signature(_forward_of(module)).parameters.get("lengths")
     except (TypeError, ValueError):
         return False
     return found is not None and found.kind == inspect.Parameter.KEYWORD_ONLY
@@ -65,7 +65,7 @@ def positional_arguments(module: torch.nn.Module) -> int | None:
         except (AttributeError, RuntimeError):
             return None
     try:
-        parameters = inspect.signature(module.forward).parameters.values()
+        parameters = inspect.signature(_forward_of(module)).parameters.values()
     except (TypeError, ValueError):
         return None
     kinds = [p.kind for p in parameters]
@@ -73,6 +73,12 @@ def positional_arguments(module: torch.nn.Module) -> int | None:
         return None
     return sum(kind in (inspect.Parameter.POSITIONAL_ONLY,
                         inspect.Parameter.POSITIONAL_OR_KEYWORD) for kind in kinds)
+
+
+def _forward_of(module: torch.nn.Module) -> Any:
+    """The forward that ``module`` runs: a ``torch.compile``d module's own takes
+    ``(*args, **kwargs)`` and hands them to its original's (``_orig_mod``)."""
+    return getattr(module, "_orig_mod", module).forward
 
 
 def weights_dtype(module: torch.nn.Module) -> torch.dtype | None:
