@@ -311,6 +311,24 @@ def test_only_a_module_vega_cannot_call_as_it_is_gets_wrapped() -> None:
     assert fitted(takes.half()).dtype == torch.float16  # cast to, lengths still given
 
 
+def test_a_module_left_in_train_mode_runs_in_eval_mode_under_inference_mode() -> None:
+    # As docs/how-it-works.md says: its dropout does nothing, and it needs no no_grad.
+    class Dropped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.9)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            assert torch.is_inference_mode_enabled()
+            dropped: torch.Tensor = self.drop(x.sum(dim=1) / lengths[:, None].to(x.dtype))
+            return dropped
+
+    model = SequenceModel(Dropped().train(), "dropped", channels=8, max_length=64)
+    model.load("cpu")
+    windows = [np.full((n, 8), 2.0, np.float32) for n in (3, 40)]
+    np.testing.assert_allclose(np.stack(model.run(windows, 40)), np.full((2, 8), 2.0))
+
+
 def test_a_compiled_module_is_called_as_the_module_it_compiled() -> None:
     # torch.compile's wrapper takes (*args, **kwargs): what its module takes is behind it.
     class Mean(torch.nn.Module):
