@@ -492,6 +492,10 @@ def test_python_names_a_module_a_factory_or_a_class_as_a_user_writes_them(
         "        assert hidden == 4, hidden\n"
         "    def forward(self, x, lengths):\n"
         "        return x.sum(dim=1)\n"
+        "def forgot_return():\n"
+        "    Sum()\n"
+        "def plain_function():\n"
+        "    return lambda x, lengths: x.sum(dim=1)\n"
         "number = 3\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "vega_user_kinds", raising=False)
@@ -507,7 +511,9 @@ def test_python_names_a_module_a_factory_or_a_class_as_a_user_writes_them(
             load_model("python:vega_user_kinds:broken")
     assert "raise FileNotFoundError" in caplog.text  # the user's traceback, in the log
     for attr, message in (("two", "takes neither the model's name nor nothing"),
-                          ("number", "found 'int', not a torch module")):
+                          ("number", "found 'int', not a torch module"),
+                          ("forgot_return", "nor a torch module: got None \\(does the builder"),
+                          ("plain_function", "nor a torch module: got function")):
         with pytest.raises(ModelLoadError, match=message):
             load_model(f"python:vega_user_kinds:{attr}")
 

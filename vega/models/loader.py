@@ -155,8 +155,13 @@ def _wrap_module(module: Any, name: str) -> ModelAdapter:
     """A bare torch module: its ``vega_channels``/``vega_max_length``/``vega_min_length``/
     ``vega_version``/``vega_deterministic`` attributes, else 8/512/1/"1"/True; one that
     takes no ``lengths`` or holds other than float32 weights, fitted to them."""
-    if not callable(module):
-        raise ModelLoadError(f"model {name!r} is neither an adapter nor a torch module")
+    import torch
+
+    if not isinstance(module, torch.nn.Module):  # a plain function has no .to, no weights
+        got = "None (does the builder return it?)" if module is None \
+            else type(module).__name__
+        raise ModelLoadError(f"model {name!r} is neither an adapter nor a torch module: "
+                             f"got {got}")
     from vega.models.fitted import fitted
 
     channels, max_length, min_length = (_count(module, attr, default, name) for attr, default
