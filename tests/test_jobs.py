@@ -479,6 +479,37 @@ async def test_prefer_respond_async_turns_an_inline_refusal_into_a_job() -> None
         assert bad.status_code == 400
 
 
+@pytest.mark.parametrize("peers", [1, 2])
+async def test_a_keyed_request_turned_into_a_job_gets_that_job_when_repeated(
+        peers: int, tmp_path: Any) -> None:
+    # Sheddable requests are always refused here (watermark 0); the repeat, sent as
+    # normal (a class a retry may change), would be served inline, as after the load has
+    # gone: it gets the first outcome, that job, and the model runs once, not twice.
+    server = RedisServer(tmp_path).start()
+    try:
+        env = {"VEGA_REDIS_URL": server.url, "VEGA_SHED_WATERMARK": "0"}
+        async with served(**env) as (first_at, runtime, _), \
+                served(**env) as (second_at, other, _):
+            body = orjson.dumps({"inputs": window(4, 0.5)})
+            keyed = {"Prefer": "respond-async", "Idempotency-Key": "turned-1"}
+            first = await first_at.post("/v1/infer", content=body,
+                                        headers={**keyed, "X-Vega-Priority": "sheddable"})
+            assert first.status_code == 202, first.text
+            repeat_at = first_at if peers == 1 else second_at
+            again = await repeat_at.post("/v1/infer", content=body, headers=keyed)
+            assert again.status_code == 202, again.text
+            assert again.json()["id"] == first.json()["id"]
+            assert again.headers["idempotent-replayed"] == "true"
+            assert (await until_final(first_at, first.json()["id"]))["status"] == "done"
+            answered = [sample.labels["outcome"] for r in (runtime, other)
+                        for metric in r.metrics.requests.collect()
+                        for sample in metric.samples
+                        if sample.name.endswith("_total") and sample.value]
+            assert "ok" not in answered and answered.count("job") == 2
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 async def test_a_job_refused_unrun_gets_back_the_attempt_its_start_counted(
         kind: str, tmp_path: Any) -> None:

@@ -10,6 +10,7 @@ into an answer and counts every answer in ``vega_requests_total``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ from vega.calls import Call, Dialect, Handler, Reply
 from vega.errors import REFUSALS, VegaError
 from vega.httpio import Sent, hung_up, named_priority, parse_deadline_ms, read_body
 from vega.pressure.cache import ResponseCache
-from vega.pressure.idempotency import Idempotency
+from vega.pressure.idempotency import Claim, Idempotency
 from vega.pressure.looplag import LoopLate
 from vega.records import CRITICAL, NORMAL, PRIORITY_NAMES
 from vega.runtime import ClientGone, Runtime
@@ -34,6 +35,9 @@ log = logging.getLogger("vega.stack")
 DISCONNECTED = Reply(499, b"", {}, "disconnected", None)
 # The refusals that a caller who can wait would rather have as a job (DESIGN.md "Jobs").
 LOAD_REFUSALS = frozenset({"shed", "queue_full", "deadline_unmeetable"})
+# Scope keys: the Guard may turn this request's refusal into a job; the idempotent layer's
+# key, held for the Guard to settle with that job (or forget).
+TURNS, HELD = "vega.turns", "vega.held_key"
 
 
 def internal_error(request: Request) -> VegaError:
@@ -107,14 +111,30 @@ def idempotent(store: Idempotency, inner: Handler) -> Handler:
                          first.headers | {"Idempotent-Replayed": "true"}, first.outcome,
                          first.media_type)
         reply: Reply | None = None
+        turnable = False  # a refusal the Guard may turn into a job (respond-async)
         try:
             reply = await inner(call)
+            turnable = reply.outcome in LOAD_REFUSALS
+        except NeverFits:
+            turnable = True
+            raise
         finally:
-            # What only its first sending carries: a replay is neither timed nor a cache hit.
-            await store.finish(claim, None if reply is None
-                               else reply.without("Server-Timing", "X-Vega-Cache"))
+            scope = call.request.scope
+            if turnable and TURNS in scope:
+                # Held until the Guard has turned it: a repeat then gets that job, neither
+                # running inline meanwhile nor making a second one.
+                scope[HELD] = functools.partial(_settle_turned, store, claim)
+            else:
+                # What only its first sending carries: a replay is neither timed nor a hit.
+                await store.finish(claim, None if reply is None
+                                   else reply.without("Server-Timing", "X-Vega-Cache"))
         return reply
     return once
+
+
+async def _settle_turned(store: Idempotency, claim: Claim, reply: Reply | None) -> None:
+    """A held key's outcome: the job its refusal became (202), else forgotten as refusals are."""
+    await store.finish(claim, reply if reply is not None and reply.status == 202 else None)
 
 
 class Later(Protocol):
@@ -175,6 +195,8 @@ class Guard:
         """The reply to one request, the model it asked for and the class it was taken at."""
         model, priority = "", NORMAL
         later = self.later if self.later is not None and self.later.wants(request) else None
+        if later is not None:
+            request.scope[TURNS] = True
         kept: bytes | None = None  # the body, only for a refusal that may become a job
         never_fits = False  # no retry could fit it inline: a job may take it
         lag = self.runtime.lag
@@ -233,6 +255,10 @@ class Guard:
             except Exception:  # the refusal stands; the bug is logged
                 log.exception("request %s: turning a refusal into a job failed",
                               request.scope.get("vega.request_id"))
+            finally:
+                held = request.scope.pop(HELD, None)  # its Idempotency-Key, if it named one
+                if held is not None:
+                    await held(reply)
         return reply, model, priority
 
     async def _named_in_body(self, request: Request, default: int) -> int:

@@ -6,7 +6,8 @@ answer the first attempt got; a repeat that arrives while the first is running
 waits for it (single-flight) rather than running again, bounded by its own
 deadline. The same key with a different body is refused (422 ``invalid_input``).
 An attempt that was refused (429/503), expired (504) or failed (5xx), or whose
-caller went away, is not remembered: a retry with that key is a fresh attempt.
+caller went away, is not remembered: a retry with that key is a fresh attempt. A
+refusal turned into a job (``Prefer: respond-async``) is remembered as that job's 202.
 
 In one process, waiters hold the first attempt's future. Across processes, through
 Redis when ``VEGA_REDIS_URL`` is set: the first attempt takes
@@ -40,7 +41,9 @@ from vega.httpio import kept
 from vega.metrics import Metrics
 
 KEY_PATTERN = re.compile(r'"?([\x21\x23-\x7e]{1,255})"?')  # sf-string content, quotes optional
-REMEMBERED = frozenset({200, 404, 422})  # answers that a retry of the same body would get again
+# Answers that a retry of the same body would get again; 202: the job a refusal became
+# (``Prefer: respond-async``), which a retry must not run again.
+REMEMBERED = frozenset({200, 202, 404, 422})
 POLL_FIRST_S, POLL_MAX_S = 0.005, 0.05  # a remote waiter's polling backoff
 LOCK_MARGIN_S = 2.0  # a running attempt's Redis lock outlives its deadline by this much
 
