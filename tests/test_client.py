@@ -331,6 +331,25 @@ def test_jobs_that_fail_expire_or_outlast_the_timeout_raise() -> None:
     assert time.monotonic() - started <= 0.3 + SLACK_S and len(script.seen) >= 2
 
 
+def test_a_submit_s_retry_after_is_waited_out_within_the_timeout_of_wait_job() -> None:
+    accepted = httpx.Response(202, headers={"Retry-After": "30"}, json={"id": "j1",
+                                                                        "status": "queued"})
+    client, script = scripted(accepted, job("done", outputs=[7.0], finished_ms=2))
+    job_id = client.submit_job(window(4))
+    started = time.monotonic()
+    # Not 30 s: the one look the timeout leaves room for, at its end.
+    assert client.wait_job(job_id, timeout_s=0.3) == [7.0]
+    assert time.monotonic() - started <= 0.3 + SLACK_S and len(script.seen) == 2
+    assert script.at[1] - started >= 0.3 - 2 * 0.01  # min_attempt_s kept, clock rounding
+    client, script = scripted(accepted, job("queued"))
+    job_id = client.submit_job(window(4))
+    with pytest.raises(DeadlineExceededError):
+        client.wait_job(job_id, timeout_s=0.3)
+    assert len(script.seen) == 2 and script.seen[1].method == "GET"
+    client, script = scripted(job("done", outputs=[7.0], finished_ms=2))
+    assert client.wait_job("j1", timeout_s=0.3) == [7.0]  # a bare id: looked at at once
+
+
 def test_job_status_and_cancel() -> None:
     client, script = scripted(job("queued"), httpx.Response(204), refusal(409, "job_running"),
                               refusal(404, "job_not_found"))
@@ -453,6 +472,56 @@ async def test_a_dead_port_is_retried_then_raises_within_the_deadline() -> None:
     assert time.monotonic() - started <= 0.5 + SLACK_S
     assert len(tried) >= 2 and set(tried) == {0}
     assert isinstance(raised.value.last, ConnectionFailedError)
+
+
+class Timed(httpx.HTTPTransport):
+    """A real transport that notes when each request left and each answer came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[float, float, httpx.Request, httpx.Response]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        sent = time.monotonic()
+        response = super().handle_request(request)
+        self.seen.append((sent, time.monotonic(), request, response))
+        return response
+
+
+class AsyncTimed(httpx.AsyncHTTPTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[float, float, httpx.Request, httpx.Response]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        sent = time.monotonic()
+        response = await super().handle_async_request(request)
+        self.seen.append((sent, time.monotonic(), request, response))
+        return response
+
+
+def looked_after_retry_after(seen: list[tuple[float, float, httpx.Request, httpx.Response]]
+                             ) -> None:
+    (_, answered, _, accepted), *polls = seen
+    assert accepted.status_code == 202 and polls
+    wait_s = int(accepted.headers["retry-after"])
+    assert wait_s >= 1
+    # The job is not expected done before its 202's Retry-After ends: no look before.
+    # (A loop's timer may fire up to its clock's resolution early: 1 ms.)
+    assert polls[0][2].method == "GET" and polls[0][0] >= answered + wait_s - 0.001
+
+
+async def test_wait_job_looks_once_the_submit_s_retry_after_ends(plain: VegaProcess) -> None:
+    timed = Timed()
+    with Client(plain.url, token="t0ken", transport=timed) as client:
+        job_id = client.submit_job(window(16), ttl_s=60)
+        assert len(client.wait_job(job_id, timeout_s=30.0)) == 3
+    looked_after_retry_after(timed.seen)
+    async_timed = AsyncTimed()
+    async with AsyncClient(plain.url, token="t0ken", transport=async_timed) as aclient:
+        job_id = await aclient.submit_job(window(16), ttl_s=60)
+        assert len(await aclient.wait_job(job_id, timeout_s=30.0)) == 3
+    looked_after_retry_after(async_timed.seen)
 
 
 def test_jobs_against_real_server(plain: VegaProcess) -> None:

@@ -19,7 +19,12 @@ import httpx
 import orjson
 
 from vega import __version__
-from vega.client.errors import DeadlineExceededError, JobFailedError, ServerError
+from vega.client.errors import (
+    DeadlineExceededError,
+    JobFailedError,
+    ServerError,
+    retry_after_header,
+)
 from vega.client.retry import Call
 
 PRIORITIES = ("critical", "normal", "sheddable")
@@ -118,12 +123,33 @@ def outputs_of(response: httpx.Response) -> Any:
     return doc["outputs"]
 
 
-def job_id_of(response: httpx.Response) -> str:
+class JobId(str):
+    """A job's id as ``submit_job`` returns it: a ``str`` that also carries when its 202's
+    ``Retry-After`` ends (``due``, on the client's clock), before which ``wait_job`` does
+    not look at the job."""
+
+    due: float | None
+
+    def __new__(cls, value: str, due: float | None = None) -> JobId:
+        job_id = super().__new__(cls, value)
+        job_id.due = due
+        return job_id
+
+
+def job_id_of(response: httpx.Response, clock: Callable[[], float]) -> JobId:
     doc = _json(response)
     job_id = doc.get("id") if isinstance(doc, dict) else None
     if not isinstance(job_id, str) or not job_id:
         raise ServerError("job answer has no id", status=response.status_code, code="bad_answer")
-    return job_id
+    wait_s = _wait_asked(response)
+    return JobId(job_id, None if wait_s is None else clock() + wait_s)
+
+
+def _wait_asked(response: httpx.Response) -> float | None:
+    """The answer's ``Retry-After`` in seconds; None where it names none, or 0 (a proxy's:
+    no reason to poll at once, nor to give up)."""
+    wait_s = retry_after_header(response.headers.get("retry-after"))
+    return wait_s if wait_s is not None and wait_s > 0 else None
 
 
 def job_of(response: httpx.Response) -> dict[str, Any]:
@@ -149,6 +175,14 @@ class JobPoll:
         self.outputs: Any = None
         self.polls = 0
 
+    def first_wait_s(self, job_id: str) -> float:
+        """Seconds before the first look: until the submit's ``Retry-After`` ends (the
+        job is not expected done before), within the timeout; 0 for a bare id."""
+        due = job_id.due if isinstance(job_id, JobId) else None
+        if due is None:
+            return 0.0
+        return max(0.0, min(due - self.clock(), self.remaining_s() - self.min_attempt_s))
+
     def remaining_s(self) -> float:
         left = self.deadline - self.clock()
         if left <= 0:
@@ -171,10 +205,8 @@ class JobPoll:
             message = error.get("message") if isinstance(error, dict) else None
             raise JobFailedError(str(message or f"job {status}"), status=response.status_code,
                                  code=str(code or status), attempts=self.polls)
-        hint = response.headers.get("retry-after")
-        own = self.rng.uniform(self.interval_s / 2, self.interval_s)
-        # A hint of 0 (a proxy's) is no reason to poll at once, nor to give up.
-        wait = float(hint) if hint and hint.isdigit() and int(hint) > 0 else own
+        asked = _wait_asked(response)
+        wait = self.rng.uniform(self.interval_s / 2, self.interval_s) if asked is None else asked
         self.interval_s = min(POLL_MAX_S, 1.5 * self.interval_s)
         left = self.remaining_s() - self.min_attempt_s
         if left <= 0:

@@ -94,9 +94,10 @@ class Client(_Base):
     def submit_job(self, inputs: Any = None, *, instances: Any = None, model: str | None = None,
                    priority: str | None = None, ttl_s: float | None = None,
                    idempotency_key: str | None = None, timeout_s: float | None = None) -> str:
-        """Submit a job (``POST /v1/jobs``); its id. Always sent with an Idempotency-Key."""
+        """Submit a job (``POST /v1/jobs``); its id (a ``str`` that carries the answer's
+        Retry-After for ``wait_job``). Always sent with an Idempotency-Key."""
         call = calls.submit_call(inputs, instances, model, priority, ttl_s, idempotency_key)
-        return calls.job_id_of(self._send(call, timeout_s))
+        return calls.job_id_of(self._send(call, timeout_s), self.policy.clock)
 
     def job(self, job_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         """The job's status document (``GET /v1/jobs/{id}``)."""
@@ -104,14 +105,15 @@ class Client(_Base):
 
     def wait_job(self, job_id: str, timeout_s: float) -> Any:
         """Poll the job until it is done and return its outputs; JobFailedError if it failed
-        or expired, DeadlineExceededError if it is still pending after ``timeout_s``."""
+        or expired, DeadlineExceededError if it is still pending after ``timeout_s``.
+        Looks first once the Retry-After of the submit that returned ``job_id`` ends,
+        then as each answer's Retry-After says, or backing off; never past the timeout."""
         poll = self._poll(timeout_s)
-        while True:
-            response = self._send(calls.job_call("GET", job_id), poll.remaining_s())
-            wait = poll.seen(response)
-            if wait is None:
-                return poll.outputs
+        wait: float | None = poll.first_wait_s(job_id)
+        while wait is not None:
             time.sleep(wait)
+            wait = poll.seen(self._send(calls.job_call("GET", job_id), poll.remaining_s()))
+        return poll.outputs
 
     def cancel_job(self, job_id: str, *, timeout_s: float | None = None) -> bool:
         """Cancel a job not yet run: True if cancelled, False if it had already started."""
@@ -182,7 +184,7 @@ class AsyncClient(_Base):
                          timeout_s: float | None = None) -> str:
         """As ``Client.submit_job``."""
         call = calls.submit_call(inputs, instances, model, priority, ttl_s, idempotency_key)
-        return calls.job_id_of(await self._send(call, timeout_s))
+        return calls.job_id_of(await self._send(call, timeout_s), self.policy.clock)
 
     async def job(self, job_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         """As ``Client.job``."""
@@ -191,12 +193,12 @@ class AsyncClient(_Base):
     async def wait_job(self, job_id: str, timeout_s: float) -> Any:
         """As ``Client.wait_job``."""
         poll = self._poll(timeout_s)
-        while True:
-            response = await self._send(calls.job_call("GET", job_id), poll.remaining_s())
-            wait = poll.seen(response)
-            if wait is None:
-                return poll.outputs
+        wait: float | None = poll.first_wait_s(job_id)
+        while wait is not None:
             await asyncio.sleep(wait)
+            wait = poll.seen(await self._send(calls.job_call("GET", job_id),
+                                              poll.remaining_s()))
+        return poll.outputs
 
     async def cancel_job(self, job_id: str, *, timeout_s: float | None = None) -> bool:
         """As ``Client.cancel_job``."""
