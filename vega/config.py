@@ -358,6 +358,10 @@ class Settings:
         "Longest ttl_s a job may ask for; longer ones are capped.")
     jobs_result_ttl_s: float = setting("3600", _float(1), "a number >= 1",
         "How long a finished job's result (or its failure) is kept for GET /v1/jobs/{id}.")
+    jobs_redis_timeout_ms: float = setting("1000", _float(1, 60_000), "a number 1-60000",
+        "With VEGA_REDIS_URL: longest wait for one job-store command (submit, status, "
+        "cancel, a result); longer than VEGA_REDIS_TIMEOUT_MS, as a job can wait and a "
+        "burst of submits keeps the loop busy past 100 ms.")
     jobs_batch_ms: float = setting("20", _float(0), "a number >= 0",
         "A batch of job items is cut to what is predicted to run in this long, so an "
         "inline request arriving meanwhile waits at most that (0 = one job item a batch).")

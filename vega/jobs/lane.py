@@ -37,7 +37,7 @@ class JobLane:
         self.max_attempts = s.max_attempts
         self.claim_idle_ms = s.claim_idle_ms
         self.store: JobStore = (
-            RedisStore(s.redis_url, s.redis_timeout_ms / 1000, s.jobs_result_ttl_s,
+            RedisStore(s.redis_url, s.jobs_redis_timeout_ms / 1000, s.jobs_result_ttl_s,
                        s.stream_maxlen) if s.redis_url
             else MemoryStore(s.jobs_result_ttl_s, s.jobs_max_depth, s.jobs_memory_bytes))
         self.runners: dict[str, JobRunner] = {}
