@@ -438,8 +438,8 @@ async def _await_items(items: list[Item], deadline: float) -> Answer:
         for item in items:  # whatever is left is nobody's answer any more
             if not item.future.cancel() and not item.future.cancelled():
                 item.future.exception()  # read, so asyncio does not log it as lost
-        if answered is not items[0].future and answered.done() and not answered.cancelled():
-            answered.exception()
+        if answered is not items[0].future:  # finished later, by its items' callbacks
+            answered.add_done_callback(lambda done: done.cancelled() or done.exception())
         answered.cancel()
 
 
