@@ -117,7 +117,8 @@ class Metrics:
                                 ["model"], registry=r)
         self.refused_with_room = Counter(
             "vega_refusals_with_peer_room_total",
-            "Requests refused while live peers had threads to lend (should stay 0)", ["model"],
+            "Requests refused while live peers' last beats said they had threads to lend (a "
+            "few at a burst's onset; growing under a steady load: look)", ["model"],
             registry=r)
         # Pressure relief (docs/pressure.md): cache, idempotency keys, fallback, capacity.
         self.cache_hits = Counter("vega_cache_hits_total", "Answers served from the cache",
