@@ -359,9 +359,8 @@ class Settings:
     jobs_result_ttl_s: float = setting("3600", _float(1), "a number >= 1",
         "How long a finished job's result (or its failure) is kept for GET /v1/jobs/{id}.")
     jobs_redis_timeout_ms: float = setting("1000", _float(1, 60_000), "a number 1-60000",
-        "With VEGA_REDIS_URL: longest wait for one job-store command (submit, status, "
-        "cancel, a result); longer than VEGA_REDIS_TIMEOUT_MS, as a job can wait and a "
-        "burst of submits keeps the loop busy past 100 ms.")
+        "Longest wait for one job-store command in Redis (a job can wait; a burst of "
+        "submits keeps the loop busy past VEGA_REDIS_TIMEOUT_MS).")
     jobs_batch_ms: float = setting("20", _float(0), "a number >= 0",
         "A batch of job items is cut to what is predicted to run in this long, so an "
         "inline request arriving meanwhile waits at most that (0 = one job item a batch).")
@@ -404,14 +403,10 @@ def load_settings(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, str] | None = None,
 ) -> Settings:
-    """Build the frozen settings; raise ConfigError naming the first bad value.
-
-    ``overrides`` are command-line values keyed by env name (``VEGA_PORT``).
-    """
+    """The frozen settings (``overrides``: flag values keyed by env name, ``VEGA_PORT``);
+    ConfigError names the first bad value."""
     raw = {spec.env: spec.default for spec in SPECS}
-    layers: list[Mapping[str, str]] = []
-    if env_file:
-        layers.append(read_env_file(env_file))
+    layers: list[Mapping[str, str]] = [read_env_file(env_file)] if env_file else []
     layers.append({k: v for k, v in (os.environ if environ is None else environ).items()
                    if k.startswith("VEGA_")})
     layers.append(overrides or {})
