@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import redis
 from redis import exceptions as rexc
 
 from tests.infra import RedisServer
@@ -223,6 +224,47 @@ async def test_a_lock_whose_set_timed_out_still_gets_the_answer_for_peers(
         assert (await peer.claim("m", "k", "fp", deadline)).replay == OK
     finally:
         for store in (here, peer):
+            assert store.redis is not None
+            await store.redis.close()
+
+
+async def test_an_answer_redis_did_not_take_is_offered_again_once_it_answers(
+        redis_server: RedisServer) -> None:
+    """Redis taken for away as the attempt answered (hung, or this loop stalled past the
+    probe too): the answer is published once Redis answers again, so a peer's repeat
+    replays it rather than waiting on a lock that says "running" and then running the
+    model a second time."""
+    here, peer = (Idempotency(60, 10, Metrics(), SideRedis(redis_server.url, 0.1))
+                  for _ in range(2))
+    assert here.redis is not None and redis_server.proc is not None
+    loop = asyncio.get_running_loop()
+    look = redis.Redis.from_url(redis_server.url)
+    try:
+        claim = await here.claim("m", "k", "fp", loop.time() + 30)
+        assert claim.replay is None and claim.token  # it runs here, holding the lock
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(Unavailable):
+                await here.redis.run(lambda r: r.get("k"))
+            for _ in range(100):
+                if not here.redis.up:
+                    break
+                await asyncio.sleep(0.01)
+            assert not here.redis.up
+            await here.finish(claim, OK)  # skipped: Redis is away
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        for _ in range(100):
+            stored = look.get(claim.redis_key)
+            if stored is not None and orjson.loads(stored)["state"] == "done":
+                break
+            await asyncio.sleep(0.05)
+        assert stored is not None and orjson.loads(stored)["state"] == "done", stored
+        assert (await peer.claim("m", "k", "fp", loop.time() + 1)).replay == OK
+    finally:
+        look.close()
+        for store in (here, peer):
+            await store.close()
             assert store.redis is not None
             await store.redis.close()
 

@@ -114,6 +114,7 @@ class Relief:
         self.idempotency.key_of(request.headers.get("idempotency-key"))
 
     async def close(self) -> None:
+        await self.idempotency.close()
         if self.cache is not None:
             await self.cache.close()
         if self.side is not None:

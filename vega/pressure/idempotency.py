@@ -46,6 +46,8 @@ KEY_PATTERN = re.compile(r'"?([\x21\x23-\x7e]{1,255})"?')  # sf-string content, 
 REMEMBERED = frozenset({200, 202, 404, 422})
 POLL_FIRST_S, POLL_MAX_S = 0.005, 0.05  # a remote waiter's polling backoff
 LOCK_MARGIN_S = 2.0  # a running attempt's Redis lock outlives its deadline by this much
+# An answer Redis did not take (a stall, an outage) is offered again for this long.
+REPUBLISH_FIRST_S, REPUBLISH_MAX_S, REPUBLISH_FOR_S = 0.25, 2.0, 30.0
 
 _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
@@ -115,6 +117,7 @@ class Idempotency:
         self.metrics = metrics
         self.redis = redis
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._republishing: set[asyncio.Task[None]] = set()
 
     @property
     def enabled(self) -> bool:
@@ -238,16 +241,40 @@ class Idempotency:
     async def _publish(self, claim: Claim, reply: Reply | None) -> None:
         assert self.redis is not None
         rkey, token = claim.redis_key, claim.token
+        if reply is None:
+            args: tuple[Any, ...] = (_RELEASE, 1, rkey, token)
+        else:
+            value = orjson.dumps({"fp": claim.entry.fingerprint if claim.entry else "",
+                                  "state": "done", "reply": reply.encode()})
+            args = (_PUBLISH, 1, rkey, token, value, max(1, int(1000 * self.ttl_s)))
         try:
-            if reply is None:
-                await self.redis.run(lambda r: r.eval(_RELEASE, 1, rkey, token))
-            else:
-                value = orjson.dumps({"fp": claim.entry.fingerprint if claim.entry else "",
-                                      "state": "done", "reply": reply.encode()})
-                ttl_ms = max(1, int(1000 * self.ttl_s))
-                await self.redis.run(lambda r: r.eval(_PUBLISH, 1, rkey, token, value, ttl_ms))
+            await self.redis.run(lambda r: r.eval(*args))
         except Unavailable:
-            pass  # the lock expires with the attempt's deadline; this process remembers
+            # Else peers' repeats wait on "running" until the lock expires, then run the
+            # model again. The scripts check the token: a late offer is never wrong.
+            if len(self._republishing) < self.max_keys:
+                task = asyncio.ensure_future(self._publish_later(args))
+                self._republishing.add(task)
+                task.add_done_callback(self._republishing.discard)
+
+    async def _publish_later(self, args: tuple[Any, ...]) -> None:
+        assert self.redis is not None
+        loop = asyncio.get_running_loop()
+        pause, end = REPUBLISH_FIRST_S, loop.time() + REPUBLISH_FOR_S
+        while loop.time() + pause < end:
+            await asyncio.sleep(pause)
+            pause = min(REPUBLISH_MAX_S, 2 * pause)
+            try:
+                await self.redis.run(lambda r: r.eval(*args))
+                return
+            except Unavailable:
+                continue
+
+    async def close(self) -> None:
+        """Stop offering answers Redis did not take (the process is stopping)."""
+        for task in list(self._republishing):
+            task.cancel()
+        await asyncio.gather(*self._republishing, return_exceptions=True)
 
 
 async def _set_if_absent(client: Client, key: str, value: bytes, px: int) -> bool:
