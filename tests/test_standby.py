@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import VegaProcess
+from tests.servers import VegaProcess, wait_until
 from tests.test_executor import ECHO, echo_batch, echo_executor, infer, model_pid, ready
 from vega.executor import Executor
 from vega.modelproc import handle
@@ -197,3 +197,37 @@ async def test_a_restart_that_runs_out_of_fds_once_tries_again(
         await until(lambda: process.up, "the model process came back")
     finally:
         executor.shutdown()
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_model_process_hung_in_a_batch_goes_when_the_serving_process_is_killed(
+        vega: Callable[..., VegaProcess], tmp_path: Path) -> None:
+    # A child reads its pipe's end only between batches: one hung in a batch outlived a
+    # kill -9 (or an OOM kill) of the serving process for as long as it hung.
+    forwards = tmp_path / "forwards"
+    proc = vega(VEGA_MODEL=ECHO, VEGA_EXECUTOR="process", TEST_HANG_MS="600000",
+                TEST_FORWARD_LOG=str(forwards))
+    child = model_pid(proc)
+
+    def standby() -> int | None:
+        [pid] = httpx.get(proc.url + "/v1/status", timeout=5).json()["executor"]["standby_pids"]
+        return None if pid is None else int(pid)
+    waiting = wait_until(standby, 60, "the standby")
+    passes = len(forwards.read_text().splitlines())
+    assert infer(proc.url, first=-666.0, deadline_ms=500).status_code == 504
+    assert len(forwards.read_text().splitlines()) == passes + 1  # in the hung batch
+    proc.kill()
+    try:
+        wait_until(lambda: not running(child) and not running(waiting), 30,
+                   "the model process and its standby to end")
+    finally:
+        for pid in (child, waiting):
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

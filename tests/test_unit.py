@@ -48,12 +48,14 @@ def test_the_sandbox_still_lets_vega_work() -> None:
     assert not any(line.startswith(("MemoryDenyWriteExecute=", "ProcSubset=",
                                     "PrivateNetwork=")) for line in settings)
     assert "RuntimeDirectory=vega" in settings and "ProtectSystem=strict" in settings
-    # Model processes share memory through memfd_create: the call filter must allow it.
-    assert "memfd_create" in calls("@system-service")
+    # Model processes share memory through memfd_create, and watch the serving process
+    # through a pidfd (to exit with it): the call filter must allow both.
+    needed = {"memfd_create", "pidfd_open"}
+    assert needed <= calls("@system-service")
     denied = [group for line in settings if line.startswith("SystemCallFilter=~")
               for group in line.split("=", 1)[1].lstrip("~").split()]
     for group in denied:
-        assert "memfd_create" not in calls(group), group
+        assert not needed & calls(group), group
 
 
 def calls(group: str) -> set[str]:

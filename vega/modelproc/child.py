@@ -18,7 +18,9 @@ import dataclasses
 import logging
 import mmap
 import os
+import select
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -46,6 +48,7 @@ class ChildConfig:
     warm_shapes: tuple[tuple[str, int, int], ...] = ()  # (model, length, size) untimed passes
     cpus: tuple[int, ...] = ()  # run only on these (VEGA_MODEL_CPUS); empty = anywhere
     log_level: int = logging.INFO  # the serving process's (VEGA_LOG_LEVEL)
+    parent: int = 0  # the serving process's pid: this one exits when it is gone
 
 
 def main(argv: list[str]) -> int:
@@ -60,6 +63,8 @@ def main(argv: list[str]) -> int:
                             "warm_shapes": tuple(tuple(w) for w in raw["warm_shapes"]),
                             "cpus": tuple(raw["cpus"])})
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
+    if config.parent:
+        _exit_with(config.parent)
     if config.cpus:
         pin_process(config.cpus)  # before torch starts its threads
     memory = memoryview(mmap.mmap(int(argv[1]), config.slot_bytes * config.lanes))
@@ -103,6 +108,25 @@ def changed(expected: tuple[tuple[str, str], ...], hello: dict[str, Any]) -> str
                     f"built now {built.get(name)}): it changed on disk? Restart the process "
                     "to serve it")
     return None
+
+
+def _exit_with(parent: int) -> None:
+    """Exit as soon as the serving process is gone (killed, say): the pipe's end is read
+    only between batches, and a batch that never ends would keep this process, its memory
+    and its device for as long as it hangs. A pidfd turns readable when it exits."""
+    try:
+        pidfd = os.pidfd_open(parent)
+    except ProcessLookupError:  # gone before we looked
+        os._exit(1)
+    except OSError as error:  # no pidfds (Linux < 5.3): its pipe's end alone stops it
+        log.warning("model process: cannot watch the serving process: %s", error)
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="vega-parent-watch", daemon=True).start()
 
 
 def _import_torch() -> None:

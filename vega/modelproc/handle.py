@@ -341,7 +341,8 @@ class ModelProcess:
         return ChildConfig(specs=plan.specs, device=plan.device,
                            torch_threads=plan.torch_threads, slot_bytes=plan.slot_bytes,
                            lanes=plan.lanes, warm_shapes=plan.warm_shapes if restart else (),
-                           cpus=plan.cpus, log_level=logging.getLogger().getEffectiveLevel())
+                           cpus=plan.cpus, log_level=logging.getLogger().getEffectiveLevel(),
+                           parent=os.getpid())
 
     def _spawn(self, restart: bool) -> None:
         """Start a life of the child (a restart takes the standby, torch imported)."""
