@@ -85,6 +85,9 @@ async def test_a_standby_that_died_waiting_is_replaced_by_a_fresh_start() -> Non
         standby, first = process.standby.pid, process.pid
         assert standby is not None
         os.kill(standby, signal.SIGKILL)  # the OOM killer, an operator
+        # No longer listed (/v1/status), nor left a zombie until the next restart.
+        await until(lambda: process.standby.pid is None, "the dead standby unlisted")
+        assert not Path(f"/proc/{standby}").exists()
         await killed_and_back(executor, model)
         assert process.pid not in (None, standby, first)
     finally:

@@ -86,8 +86,10 @@ class Standby:
 
     @property
     def pid(self) -> int | None:
+        """The waiting child's pid; None once it died waiting (polled, so reaped: no zombie
+        is left listed in /v1/status and ps until the next restart)."""
         child = self.child
-        return None if child is None else child.process.pid
+        return None if child is None or child.process.poll() is not None else child.process.pid
 
     def arm(self) -> None:
         """Keep a child waiting from now on."""
