@@ -114,3 +114,22 @@ def test_the_model_list_is_503_while_warming_up_then_lists_the_model(
     wait_until(lambda: httpx.get(proc.url + "/readyz", timeout=5).status_code == 200, 60,
                "warm")
     assert [m["name"] for m in httpx.get(proc.url + "/v1/models").json()["models"]] == ["echo"]
+
+
+def test_a_slow_model_process_build_is_logged_while_the_process_is_not_ready(
+        tmp_path: Path) -> None:
+    # Building may take minutes: the journal must not stay silent until it is over.
+    proc = VegaProcess({"VEGA_MODEL": ECHO, "VEGA_EXECUTOR": "process",
+                        "TEST_LOAD_SLEEP_MS": "4000"}, log_path=tmp_path / "log")
+    proc.start(wait_ready=False)
+    try:
+        log_path = tmp_path / "log"  # made by the forked server: not there at once
+        wait_until(lambda: log_path.exists() and "model process 0 (pid " in proc.log(), 60,
+                   "the build logged")
+        log = proc.log()
+        assert "building the model(s) python:tests.models:echo" in log
+        assert "building the model(s), 300 s at most" in log and "ready (pid" not in log
+        assert httpx.get(proc.url + "/readyz", timeout=5).status_code == 503
+        proc.wait_ready()
+    finally:
+        proc.stop()

@@ -116,6 +116,7 @@ def serve(settings: Settings) -> int:
             f"VEGA_HOST={settings.host} VEGA_PORT={settings.port}"
         print(f"vega: {where}: {why}", file=sys.stderr)
         return EXIT_STARTUP
+    log.info("building the model(s) %s: it listens once they are built", settings.model)
     try:
         app, runtime = create_app(settings)
     except ModelLoadError as error:

@@ -355,6 +355,9 @@ class ModelProcess:
             raise ModelProcessError("stopping")
         process, conn = child.process, child.conn
         self._life = _Life(process, conn)
+        # A build may take minutes: the log says what the process waits for meanwhile.
+        log.info("model process %d (pid %d): building the model(s), %g s at most", self.index,
+                 process.pid, plan.start_timeout_s)
         try:
             conn.send_bytes(GO)
             if not conn.poll(plan.start_timeout_s):
