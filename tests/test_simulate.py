@@ -157,6 +157,10 @@ def test_profile_measures_every_bucket_and_size(monkeypatch: pytest.MonkeyPatch,
     (["--model-name", "a/b"], 2, "VEGA_MODEL_NAME='a/b'"),
     (["--model", "python:nosuch.module:build"], 3, "No module named 'nosuch'"),
     (["--model", "torchscript:{tmp}/none.pt"], 3, "cannot load"),
+    (["--model", "python:tests.models:echo", "--device", "tpu"], 2, "VEGA_DEVICE='tpu'"),
+    # A model that raises on a shape: the shape and the fix, as `vega serve` says them.
+    (["--model", "python:tests.models:positions_of_100", "--buckets", "128"], 3,
+     "failed warming up on a batch of 1 x 128 steps (RuntimeError: "),
 ])
 def test_profile_says_in_one_line_what_it_cannot_do_before_measuring(
         argv: list[str], status: int, message: str, tmp_path: Path,

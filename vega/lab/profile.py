@@ -35,7 +35,7 @@ from vega.config import ConfigError, Settings, load_settings
 from vega.modelproc.handle import ModelProcessError
 from vega.models.loader import ModelLoadError
 from vega.outpath import unwritable
-from vega.warmup import in_turn
+from vega.warmup import in_turn, warm_up_failed
 
 EXIT_CONFIG = 2
 EXIT_LOAD = 3  # as `vega serve` exits when its model cannot be loaded
@@ -61,6 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         named = {} if args.model_name is None else {"VEGA_MODEL_NAME": args.model_name}
+        if args.device is not None:  # checked as `vega serve --device` is
+            named["VEGA_DEVICE"] = args.device
         settings = load_settings(env_file=args.env_file, overrides=named)
         buckets = _ints(args.buckets) if args.buckets else None
         sizes = _ints(args.sizes) if args.sizes else default_sizes(settings.max_batch_size)
@@ -120,17 +122,31 @@ def measure(settings: Settings, *, model: str | None = None, device: str | None 
                               max_batch_size=max(settings.max_batch_size, *sizes))
     plan = process_plan(served, [adapter], ((spec, name),))
     executor = Executor({adapter.name: adapter}, threads=1, torch_threads=threads, plan=plan)
+
+    def timed(bound: int, size: int, samples: list[Any]) -> float:
+        try:
+            return executor.run_sync(adapter.name, samples, bound)[1]
+        except ModelProcessError:
+            raise
+        except Exception as error:  # the model raised: one line naming the shape, as warm-up
+            raise warm_up_failed(adapter, bound, size, error) from error
+
     with driven(executor):  # stopped however this block ends, a failed load included
-        executor.load(chosen)
+        try:
+            executor.load(chosen)
+        except (ModelLoadError, ModelProcessError):
+            raise
+        except Exception as error:  # the model's load check raised: as `vega serve` says it
+            raise ModelLoadError(str(error) or repr(error)) from error
         bounds = list(length_bounds(tuple(buckets or settings.length_buckets),
                                     adapter.max_length, min_length(adapter)))
         shapes = [(bound, size, [adapter.example(bound)] * size) for bound in bounds
                   for size in sizes]
         times: dict[tuple[int, int], list[float]] = {(b, n): [] for b, n, _ in shapes}
-        for bound, _size, samples in shapes:
-            executor.run_sync(adapter.name, samples, bound)  # untimed: allocations
+        for bound, size, samples in shapes:
+            timed(bound, size, samples)  # untimed: allocations
         for bound, size, samples in in_turn(shapes, repeats):  # as warm-up times them
-            times[bound, size].append(executor.run_sync(adapter.name, samples, bound)[1])
+            times[bound, size].append(timed(bound, size, samples))
     seconds = {str(bound): {str(size): {"p50": statistics.median(times[bound, size]),
                                         "p90": _p90(times[bound, size])} for size in sizes}
                for bound in bounds}
