@@ -258,6 +258,22 @@ def test_a_cluster_whose_listen_address_is_taken_says_so_before_starting_anythin
     shutil.rmtree(run_dir)
 
 
+@pytest.mark.parametrize("folder, why", [
+    ("{tmp}/file", "{tmp}/file exists and is not a directory"),
+    ("/proc/vc", "cannot write in /proc"),  # tried: root may write anywhere by the bits
+])
+def test_a_cluster_whose_folder_cannot_be_made_says_so_before_starting_anything(
+        tmp_path: Path, folder: str, why: str) -> None:
+    # It was a traceback (FileExistsError, FileNotFoundError) from making the folder.
+    (tmp_path / "file").write_text("")
+    done = subprocess.run([sys.executable, "-m", "vega", "cluster", "-n", "1", "--listen",
+                           f"127.0.0.1:{free_port()}", "--dir", folder.format(tmp=tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=50)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"vega cluster: --dir {folder.format(tmp=tmp_path)}: {why.format(tmp=tmp_path)}"]
+
+
 @pytest.mark.timeout(120)
 def test_a_cluster_that_cannot_start_says_why_in_one_line_and_stops_everything(
         tmp_path: Path) -> None:

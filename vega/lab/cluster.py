@@ -23,6 +23,7 @@ from pathlib import Path
 
 from vega.config import ConfigError, load_settings
 from vega.listening import port_unusable
+from vega.outpath import unwritable
 
 TEMPLATE = Path(__file__).resolve().parent / "nginx.conf"  # the repository's nginx.conf links here
 
@@ -80,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.processes < 1:
         print(f"vega cluster: -n {args.processes}: expected >= 1", file=sys.stderr)
+        return 2
+    problem = unwritable(Path(args.dir), directory=True) if args.dir else None
+    if problem is not None:
+        print(f"vega cluster: --dir {args.dir}: {problem}", file=sys.stderr)
         return 2
     if shutil.which("nginx") is None:
         print("vega cluster: nginx not found on PATH", file=sys.stderr)
