@@ -116,6 +116,8 @@ def test_spec_file_then_flags_win(tmp_path: Path) -> None:
     (["--path", "v1/infer"], None, "must start with /"),
     (["--deadline-ms", "abc"], None, "deadline_ms 'abc'"),
     (["--deadline-ms", "0"], None, "each deadline must be a number > 0"),
+    (["--mix", "urgent=1"], None, "mix class(es) ['urgent'] not in"),
+    (["--lengths", "16,x"], None, "lengths '16,x'"),
     ([], {"rate": None, "duration_s": 1}, "rate must be > 0, not None"),
 ])
 def test_bad_options_are_refused_before_any_load(argv: list[str], spec: Any, message: str,

@@ -431,6 +431,8 @@ def resolve(flags: Mapping[str, Any]) -> dict[str, Any]:
     if not str(options["path"]).startswith("/"):
         raise TrafficError(f"path {options['path']!r} must start with /")
     parse_deadlines(str(options["deadline_ms"]))  # refused here, not when the load starts
+    parse_mix(str(options["mix"]))
+    parse_lengths(str(options["lengths"]))
     if not 0.0 <= options["can_wait"] <= 1.0:
         raise TrafficError(f"can_wait must be between 0 and 1, not {options['can_wait']}")
     options["max_connections"] = max(options["max_connections"], options["connections"])
