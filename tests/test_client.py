@@ -558,3 +558,32 @@ def test_bench_callers_mode_reports_what_its_callers_saw(
         "invalid_input", 0)
     assert set(calls) <= {"ok", "deadline_exceeded", "invalid_input"}
     assert summary["p50_ms"] <= summary["p99_ms"]
+
+
+def test_bench_callers_mode_takes_host_and_port_as_the_load_generator_does(
+        limited: VegaProcess, tmp_path: Path) -> None:
+    # Without a scheme each call was refused by httpx at once, a busy loop of failures.
+    from vega.cli import main
+
+    assert main(["bench", "--callers", "1", "--duration-s", "1", "--mix", "normal=1",
+                 "--deadline-ms", "5000", "--out", str(tmp_path),
+                 limited.url.removeprefix("http://")]) == 0
+    assert orjson.loads((tmp_path / "report.json").read_bytes())["summary"]["calls"]["ok"] >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "/proc/callers"], "vega bench: --out: cannot write in /proc"),
+    (["--mix", "urgent=1"], "vega bench: mix class(es) ['urgent'] not in"),
+    (["ftp://127.0.0.1:9"], "vega bench: url 'ftp://127.0.0.1:9': only http:// and https://"),
+])
+def test_bench_callers_mode_refuses_bad_options_in_one_line_before_any_call(
+        argv: list[str], message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from vega.cli import main
+
+    out = tmp_path / "run"
+    assert main(["bench", "--callers", "2", "--duration-s", "1", "--out", str(out),
+                 *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.splitlines()) == 1
+    assert not out.exists()

@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from vega.lab import report as rep
 from vega.lab import traffic
 from vega.lab.engine import run_loop
 from vega.lab.traffic import PRIORITIES, TrafficError, parse_deadlines
+from vega.outpath import unwritable
 
 if TYPE_CHECKING:
     from vega.client import AsyncClient
@@ -166,12 +168,21 @@ def run(args: argparse.Namespace) -> int:
         options = traffic.resolve(vars(args))
         if args.callers < 1:
             raise TrafficError(f"callers must be >= 1, not {args.callers}")
+        # host:port as the raw load generator takes it (httpx would refuse each call)
+        url = options["url"] if "://" in options["url"] else "http://" + options["url"]
+        if urlsplit(url).scheme not in ("http", "https"):
+            raise TrafficError(f"url {options['url']!r}: only http:// and https:// are supported")
+        options["url"] = url
     except (TrafficError, ValueError) as exc:
         print(f"vega bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    report = run_loop(drive(options, args.callers, args.client == "polite"))
     out = Path(options["out"] or "out/callers-" + datetime.datetime.now().strftime(
         "%Y%m%d-%H%M%S"))
+    problem = unwritable(out, directory=True)
+    if problem is not None:
+        print(f"vega bench: --out: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    report = run_loop(drive(options, args.callers, args.client == "polite"))
     path = rep.write_json(report, out / "report.json")
     print(format_summary(report))
     print(f"wrote {path}")
