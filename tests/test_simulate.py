@@ -175,6 +175,14 @@ def test_profile_says_in_one_line_what_it_cannot_do_before_measuring(
     assert not (tmp_path / "p.json").exists()
 
 
+def test_simulate_s_help_names_the_folder_it_writes_by_default() -> None:
+    parser = argparse.ArgumentParser()
+    simulate.configure(parser)
+    text = " ".join(parser.format_help().split())
+    assert "output directory (default out/simulate)" in text  # it said out/bench-DATE
+    assert "out/bench" not in text
+
+
 def test_an_output_path_is_checked_before_the_work() -> None:
     assert unwritable(Path("/proc/no/such")) == "/proc/no does not exist"
     assert unwritable(Path("/etc/hostname"), directory=True) == \

@@ -230,6 +230,7 @@ TRAFFIC_OPTIONS = ("spec", "mode", "profile", "process", "rate", "duration_s", "
                    "ramp_to", "steps", "burst_factor", "burst_at_s", "burst_s", "trace",
                    "trace_speed", "connections", "honor_retry_after", "mix", "lengths",
                    "deadline_ms", "can_wait", "seed", "out", "plots")
+DEFAULT_OUT = "out/simulate"  # one folder, overwritten: not the bench's dated ones
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -244,6 +245,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for name in TRAFFIC_OPTIONS:
         o = BY_NAME[name]
         text = o.help + ("" if o.default is None else f" (default {o.default})")
+        if name == "out":
+            text = f"output directory (default {DEFAULT_OUT})"
         flag = "--" + name.replace("_", "-")
         if o.type is parse_bool:
             traffic.add_argument(flag, dest=name, default=None,
@@ -299,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--processes={args.processes}: expected >= 1")
         if not args.snapshot_ms > 0:  # the sampler would never move past its first instant
             raise ValueError(f"--snapshot-ms={args.snapshot_ms:g}: expected > 0")
-        out = Path(traffic_options["out"] or "out/simulate")
+        out = Path(traffic_options["out"] or DEFAULT_OUT)
         problem = unwritable(out, directory=True)
         if problem is not None:
             raise ValueError(f"--out: {problem}")
