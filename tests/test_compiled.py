@@ -135,6 +135,9 @@ def test_export_refuses_what_it_cannot_compile(tmp_path: Path) -> None:
     assert wrong_name.returncode == 2 and "must end in .pt2" in wrong_name.stderr
     unknown = export("--model", "python:tests.models:nothing", "--out", str(tmp_path / "x.pt2"))
     assert unknown.returncode == 2 and "nothing" in unknown.stderr
+    # An adapter over a plain callable: said to be no torch module, not blamed on lengths.
+    plain = export("--model", "python:tests.models:echo", "--out", str(tmp_path / "e.pt2"))
+    assert plain.returncode == 2 and "only a torch module" in plain.stderr, plain.stderr
     nowhere = export("--model", SMALL, "--out", str(tmp_path / "no" / "small.pt2"))
     assert nowhere.returncode == 2 and "no does not exist" in nowhere.stderr
     if KIND == "cpu":  # no GPU here: asked for one, a line saying so, not a traceback

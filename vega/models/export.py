@@ -88,7 +88,8 @@ def export_package(adapter: Any, out: Path, *, device: str = "cpu",
     """Compile ``adapter``'s module into the package ``out``; the length multiple it holds for."""
     import torch
 
-    if not isinstance(adapter, SequenceModel) or adapter.module is None:
+    if not isinstance(adapter, SequenceModel) or \
+            not isinstance(adapter.module, torch.nn.Module):
         raise ExportError(f"model {adapter.name!r}: only a torch module over windows "
                           "(a python: model or a built-in) can be compiled")
     if out.suffix != ".pt2":
