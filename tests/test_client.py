@@ -348,6 +348,14 @@ def test_a_submit_s_retry_after_is_waited_out_within_the_timeout_of_wait_job() -
     assert len(script.seen) == 2 and script.seen[1].method == "GET"
     client, script = scripted(job("done", outputs=[7.0], finished_ms=2))
     assert client.wait_job("j1", timeout_s=0.3) == [7.0]  # a bare id: looked at at once
+    # The body's retry_after_ms is the wait itself; the header rounds it up to a second.
+    precise = httpx.Response(202, headers={"Retry-After": "30"}, json={
+        "id": "j1", "status": "queued", "retry_after_ms": 100})
+    client, script = scripted(precise, job("done", outputs=[7.0], finished_ms=2))
+    job_id = client.submit_job(window(4))
+    started = time.monotonic()
+    assert client.wait_job(job_id, timeout_s=5.0) == [7.0]
+    assert 0.1 - 0.01 <= script.at[1] - started <= 1.0
 
 
 def test_job_status_and_cancel() -> None:
@@ -504,11 +512,13 @@ def looked_after_retry_after(seen: list[tuple[float, float, httpx.Request, httpx
                              ) -> None:
     (_, answered, _, accepted), *polls = seen
     assert accepted.status_code == 202 and polls
-    wait_s = int(accepted.headers["retry-after"])
-    assert wait_s >= 1
-    # The job is not expected done before its 202's Retry-After ends: no look before.
+    assert int(accepted.headers["retry-after"]) >= 1  # whole seconds
+    wait_ms = accepted.json()["retry_after_ms"]  # the predicted wait itself
+    assert isinstance(wait_ms, int) and 0 <= wait_ms <= 1000 * int(
+        accepted.headers["retry-after"])
+    # The job is not expected done before the wait its 202 asked for: no look before.
     # (A loop's timer may fire up to its clock's resolution early: 1 ms.)
-    assert polls[0][2].method == "GET" and polls[0][0] >= answered + wait_s - 0.001
+    assert polls[0][2].method == "GET" and polls[0][0] >= answered + wait_ms / 1000 - 0.001
 
 
 async def test_wait_job_looks_once_the_submit_s_retry_after_ends(plain: VegaProcess) -> None:

@@ -151,11 +151,14 @@ class JobsApi:
             raise
         except STORE_ERRORS as error:
             raise _store_away(error) from None
+        wait_s = lane.wait_s(job.model)
         headers = {"Location": f"/v1/jobs/{submitted.id}",
-                   "Retry-After": str(max(1, math.ceil(lane.wait_s(job.model))))}
+                   "Retry-After": str(max(1, math.ceil(wait_s)))}
         if not submitted.created:
             headers["Idempotent-Replayed"] = "true"
-        doc_out = {"id": submitted.id, "status": submitted.status}
+        # The header holds whole seconds, 1 at least: the body says when to look, precisely.
+        doc_out = {"id": submitted.id, "status": submitted.status,
+                   "retry_after_ms": round(1000 * wait_s)}
         return Reply(202, orjson.dumps(doc_out), headers, "job")
 
     def _ttl_s(self, value: Any) -> float:
