@@ -15,6 +15,7 @@ from tests.inproc import in_process
 from tests.models import per_patch, per_step, three_channels
 from vega.errors import VegaError
 from vega.models import SequenceModel, identity, load_model
+from vega.models.digest import state_bytes
 from vega.models.fitted import fitted
 from vega.models.loader import ModelLoadError
 
@@ -669,3 +670,19 @@ def test_a_quantized_modules_identity_follows_its_weights(
     first, again = (identity(load_model("python:tests.models:quantized")) for _ in range(2))
     monkeypatch.setenv("TEST_SEED", "1")
     assert first == again != identity(load_model("python:tests.models:quantized"))
+
+
+def test_extra_state_hashes_the_same_whatever_order_or_address_it_holds() -> None:
+    # Equal sets iterate in insertion order where their hashes collide, and string hashes
+    # are salted per process: the serving and the model process saw different reprs of
+    # one module's extra state, and its start was refused as "changed on disk".
+    class Tag:
+        pass
+
+    def hashed(value: object) -> bytes:
+        return b"".join(state_bytes("m._extra_state", value))
+
+    assert hashed({"tags": {8, 0}}) == hashed({"tags": {0, 8}})
+    assert hashed({"b": 1, "a": torch.ones(2)}) == hashed({"a": torch.ones(2), "b": 1})
+    assert hashed({"a": torch.ones(2)}) != hashed({"a": torch.zeros(2)})
+    assert hashed(Tag()) == hashed(Tag())  # its default repr names its address

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from vega.models.base import ModelAdapter
 
 _IDENTITIES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in a default repr: differs per process
 
 
 def identity(adapter: ModelAdapter) -> str:
@@ -47,8 +49,17 @@ def state_bytes(name: str, value: Any) -> Iterator[bytes]:
         for index, part in enumerate(value):
             yield from state_bytes(f"{name}.{index}", part)
         return
+    # Extra state the same in two processes must hash the same: a set's or a dict's order
+    # may differ between them (string hashes are salted per process), as may an address.
+    if isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            yield from state_bytes(f"{name}[{key!r}]", value[key])
+        return
+    if isinstance(value, (set, frozenset)):
+        yield f"{name}={sorted(map(repr, value))!r};".encode()
+        return
     if not isinstance(value, torch.Tensor):
-        yield f"{name}={value!r};".encode()
+        yield f"{name}={_ADDRESS.sub('', repr(value))};".encode()
         return
     if torch.nn.parameter.is_lazy(value):
         yield f"{name}:uninitialized;".encode()
