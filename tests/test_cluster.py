@@ -209,7 +209,9 @@ def test_rendered_nginx_conf_is_valid(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     text = proxy.conf.read_text()
     assert "least_conn;" in text and "zone vega" in text and "keepalive 128;" in text
-    assert "proxy_next_upstream error http_503 non_idempotent;" in text
+    # Inline: a POST is resent after a 503, and after a failed connect (@unavailable), never
+    # after a process read it ("error" with non_idempotent would: it may have run).
+    assert "        proxy_next_upstream http_503 non_idempotent;" in text
     assert "http_429" not in text and "http_504" not in text
     # Job routes: their own upstream, and a submit (POST) not resent once a process has
     # read it (two jobs would run), unless its Idempotency-Key finds the job stored.
