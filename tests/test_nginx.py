@@ -7,14 +7,16 @@ import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.infra import Nginx
+from tests.infra import Nginx, require
 from tests.models import window
 from tests.servers import VegaProcess, free_port
 from tests.test_cluster import CLUSTER_ENV, warming_process
+from vega.lab.cluster import render_nginx
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +25,13 @@ ANSWER = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length:
 
 
 class StandIn:
-    """A process on a free port that reads each request whole, then either answers 200 or
-    hangs up without a word (as one killed while running it would); ``read`` counts them."""
+    """A process on a free port that reads each request whole, then answers 200, hangs up
+    without a word (as one killed while running it would: ``dies``), or says nothing until
+    Nginx hangs up (as one frozen would: ``hangs``); ``read`` counts them."""
 
-    def __init__(self, dies: bool) -> None:
+    def __init__(self, dies: bool, hangs: bool = False) -> None:
         self.dies = dies
+        self.hangs = hangs
         self.read = 0
         self.port = 0
         self.handlers: set[asyncio.Task[None]] = set()  # Nginx keeps connections open
@@ -46,6 +50,9 @@ class StandIn:
                 if self.dies:
                     writer.transport.abort()
                     return
+                if self.hangs:
+                    await reader.read()  # until Nginx gives up on it
+                    return
                 writer.write(ANSWER)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -55,8 +62,8 @@ class StandIn:
 
 
 @asynccontextmanager
-async def stand_ins(*dies: bool) -> AsyncIterator[list[StandIn]]:
-    made = [StandIn(d) for d in dies]
+async def stand_ins(*dies: bool, hangs: bool = False) -> AsyncIterator[list[StandIn]]:
+    made = [StandIn(d, hangs) for d in dies]
     servers = [await asyncio.start_server(s.serve, "127.0.0.1", 0) for s in made]
     for stand_in, server in zip(made, servers):
         stand_in.port = server.sockets[0].getsockname()[1]
@@ -117,3 +124,27 @@ async def test_inline_requests_move_off_a_warming_process(
         codes = Counter([(await client.post(proxy.url + "/v1/infer", json={
             "inputs": window(2)})).status_code for _ in range(8)])
     assert codes == Counter({200: 8}), codes
+
+
+async def test_a_process_that_read_a_request_and_froze_gets_a_json_504_from_nginx(
+        tmp_path: Path) -> None:
+    """A process frozen (SIGSTOP) or hung past proxy_read_timeout (VEGA_MAX_DEADLINE_MS
+    + 5 s, here 1 s + 5 s): the caller gets 504 deadline_exceeded in the route's error
+    shape, as Vega gives at a deadline, not Nginx's HTML page; it is not sent elsewhere."""
+    require("nginx")
+    async with stand_ins(False, False, hangs=True) as frozen:
+        upstreams = [f"127.0.0.1:{stand_in.port}" for stand_in in frozen]
+        proxy = Nginx(upstreams, tmp_path)
+        proxy.conf.write_text(render_nginx(upstreams, f"127.0.0.1:{proxy.port}", tmp_path,
+                                           max_deadline_ms=1000))
+        proxy.start()
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                v1, v2 = await asyncio.gather(*(client.post(proxy.url + path, json={
+                    "inputs": window(2)}) for path in ("/v1/infer", "/v2/models/echo/infer")))
+        finally:
+            proxy.stop()
+    assert sum(stand_in.read for stand_in in frozen) == 2  # each read once, not resent
+    assert v1.status_code == 504 and v1.json()["error"]["code"] == "deadline_exceeded", v1.text
+    assert v2.status_code == 504 and v2.json()["error"].startswith("deadline_exceeded")
+    assert "retry-after" not in v1.headers
