@@ -118,6 +118,32 @@ def test_entries_off_the_schema_are_refused(meta_change: dict[str, Any]) -> None
         decode_overflow(fields)
 
 
+@pytest.mark.parametrize("meta_change", [
+    {"arrays": [{"dtype": "x" * 1_000_000, "shape": [2, 8]},
+                {"dtype": "float32", "shape": [3, 8]}]},
+    {"arrays": [{"dtype": "float32", "shape": [1] * 1_000_000},
+                {"dtype": "float32", "shape": [3, 8]}]},
+])
+def test_a_huge_field_of_a_refused_entry_is_not_copied_into_its_message(
+        meta_change: dict[str, Any]) -> None:
+    fields = encode_overflow(overflow())
+    meta = orjson.loads(fields[b"meta"])
+    meta.update(meta_change)
+    fields[b"meta"] = orjson.dumps(meta)
+    with pytest.raises(WireError) as refused:  # it goes to a log line and the dead letters
+        decode_overflow(fields)
+    assert len(str(refused.value)) < 500
+    fields = {**encode_overflow(overflow()), b"v": b"9" * 1_000_000}
+    with pytest.raises(WireError) as refused:
+        decode_overflow(fields)
+    assert len(str(refused.value)) < 500
+    reply = encode_reply(Reply("b", "n", 0, (), "model_error", "x"))
+    reply[b"meta"] = reply[b"meta"].replace(b'"model_error"', b'"' + b"y" * 1_000_000 + b'"')
+    with pytest.raises(WireError) as refused:
+        decode_reply(reply, 2, CODES)
+    assert len(str(refused.value)) < 500
+
+
 def test_replies_of_the_wrong_size_or_code_are_refused() -> None:
     with pytest.raises(WireError):
         decode_reply(encode_reply(Reply("b", "n", 0, (np.ones(2, np.float32),))), 2, CODES)

@@ -17,6 +17,7 @@ import hashlib
 import math
 import os
 import re
+import reprlib
 import socket
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ _NODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _BATCH = re.compile(r"[A-Za-z0-9_.:-]{1,160}")
 _MODEL = re.compile(r"[^\x00-\x1f{}]{1,128}")
 _IDENTITY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+_SHOWN = reprlib.Repr()  # strings and lists cut short, nesting shown to a few levels
 
 
 def wall_ms() -> int:
@@ -109,10 +111,10 @@ def _unpack(specs: Any, data: bytes, count: int) -> tuple[np.ndarray, ...]:
         _keys(spec, {"dtype", "shape"}, "array spec")
         dtype, shape = spec["dtype"], spec["shape"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise WireError(f"dtype {dtype!r} not allowed")
+            raise WireError(f"dtype {_brief(dtype)} not allowed")
         if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
                 not all(_is_int(n) and 0 <= n <= 1 << 24 for n in shape):
-            raise WireError(f"bad shape {shape!r}")
+            raise WireError(f"bad shape {_brief(shape)}")
         # Python ints: numpy's int64 product of [65536] * 4 wraps to 0.
         elements = math.prod(shape)
         if elements > MAX_ELEMENTS:
@@ -229,7 +231,7 @@ def _decode_reply(fields: Any, size: int, codes: frozenset[str]) -> Reply:
         _keys(error, {"code", "message"}, "reply error")
         if not isinstance(error["code"], str) or error["code"] not in codes or \
                 not isinstance(error["message"], str):
-            raise WireError(f"bad error code {error['code']!r}")
+            raise WireError(f"bad error code {_brief(error['code'])}")
         return Reply(reply.batch, reply.node, reply.infer_ms, (), error["code"],
                      error["message"])
     if "arrays" in meta:
@@ -256,7 +258,7 @@ def _envelope(fields: Any) -> tuple[Any, bytes]:
     if not isinstance(fields, dict) or set(fields) != FIELDS:
         raise WireError("entry fields are not v, meta, data")
     if fields[b"v"] != VERSION:
-        raise WireError(f"unknown version {fields[b'v']!r}")
+        raise WireError(f"unknown version {_brief(fields[b'v'])}")
     data = fields[b"data"]
     if not isinstance(data, bytes):
         raise WireError("data is not bytes")
@@ -269,6 +271,13 @@ def _envelope(fields: Any) -> tuple[Any, bytes]:
 def _keys(value: Any, keys: set[str], what: str) -> None:
     if not isinstance(value, dict) or set(value) != keys:
         raise WireError(f"{what} must have exactly the keys {sorted(keys)}")
+
+
+def _brief(value: Any) -> str:
+    """A field of a refused entry as its message shows it, cut short: a peer's 100-MB
+    string or list would otherwise be copied whole into a log line and the dead-letter
+    entry."""
+    return _SHOWN.repr(value[:40] if isinstance(value, bytes) else value)
 
 
 def _is_int(value: Any) -> bool:
