@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from tests.infra import RedisServer
+from tests.inproc import in_process
 from tests.models import forwarded, window
 from tests.servers import VegaProcess, wait_until
 from vega.config import load_settings
@@ -202,3 +203,33 @@ def test_processes_taking_other_window_lengths_share_no_cached_answer() -> None:
                       for name in ("patches", "whole_patches_of_16"))
     assert identity(eight) == identity(sixteen)  # overflow: declined per batch instead
     assert _cached_as(eight) != _cached_as(sixteen)
+
+
+@pytest.mark.parametrize("stored", [
+    b"not json", b"[1, 2]", b'{"status": 200}',
+    orjson.dumps({"status": 200, "body": "{}", "outcome": "ok",
+                  "headers": {"X-Evil": "a\r\nSet-Cookie: session=theirs"}}),
+    orjson.dumps({"status": 302, "body": "", "outcome": "ok",
+                  "headers": {"Location": "https://elsewhere.example"}}),
+])
+async def test_a_shared_entry_vega_did_not_write_is_a_miss_not_a_500(
+        redis_server: RedisServer, stored: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    env = {**ECHO, "VEGA_REDIS_URL": redis_server.url, "VEGA_CACHE_REDIS_TTL_S": "60"}
+    body = orjson.dumps({"inputs": window(4, 0.5)})
+    async with in_process(env) as (writer, _):
+        first = await writer.post("/v1/infer", content=body)
+        assert first.status_code == 200 and first.headers["x-vega-cache"] == "miss"
+    stored_in(redis_server, "echo")
+    entry = redis.Redis.from_url(redis_server.url)
+    try:
+        key = entry.keys("vega:{echo}:cache:*")[0]
+        entry.set(key, stored, px=60_000)  # another program's value under the answer's key
+    finally:
+        entry.close()
+    async with in_process(env) as (reader, _):
+        for cached in ("miss", "hit"):  # answered by the model, then kept here as it is
+            answer = await reader.post("/v1/infer", content=body)
+            assert answer.status_code == 200 and answer.content == first.content
+            assert answer.headers["x-vega-cache"] == cached
+            assert "set-cookie" not in answer.headers
+    assert "is not an answer Vega stored" in caplog.text

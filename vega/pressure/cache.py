@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
+from vega.calls import Reply
 from vega.channel.client import SideRedis, Unavailable
 from vega.channel.keys import cache_entry_key
 from vega.config import Settings
@@ -130,6 +132,10 @@ class ResponseCache:
             except Unavailable:
                 raw = None
             value = raw.encode() if isinstance(raw, str) else raw
+            if value is not None and not _an_answer(value):
+                log.warning("cache entry %s in Redis is not an answer Vega stored; ignored",
+                            key)
+                value = None
             if value is not None:
                 self.metrics.cache_hits.labels(model, "redis").inc()
                 self._keep(model, key, value)
@@ -162,6 +168,25 @@ class ResponseCache:
         """Let background writes finish (each is bounded by the Redis timeout)."""
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
+
+
+# A header's name (an HTTP token) and value (no control character but tab): the HTTP
+# server refuses to write any other, and the request gets a 500 in its place.
+_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
+
+
+def _an_answer(value: bytes) -> bool:
+    """Whether a value read from the shared tier is a 200 reply as ``put`` writes it:
+    anything else there (written by another program, or cut short) would be answered
+    from this process's own tier until evicted, each time as a 500."""
+    try:
+        reply = Reply.decode(orjson.loads(value))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        return False
+    return reply.status == 200 and all(
+        _NAME.fullmatch(name) and _VALUE.fullmatch(text) and text.isascii()
+        for name, text in reply.headers.items())
 
 
 def models_to_cache(settings: Settings, adapters: Mapping[str, ModelAdapter]) -> list[str]:
