@@ -273,6 +273,32 @@ async def test_hostile_records_in_redis_fail_alone_and_the_jobs_around_them_run(
         server.stop()
 
 
+async def test_a_record_with_more_instances_than_a_submit_takes_is_not_run(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # Written to Redis by something else: its instances would all join the batcher at once,
+    # past every bound a submit keeps (VEGA_MAX_INSTANCES).
+    server = RedisServer(tmp_path).start()
+    look = redis.Redis.from_url(server.url)
+    try:
+        async with served(VEGA_REDIS_URL=server.url, VEGA_MAX_INSTANCES="4",
+                          VEGA_MAX_ATTEMPTS="1") as (client, _runtime, _):
+            now, job_id = wall_ms(), "H" * 22
+            look.hset("vega:{echo}:job:" + job_id, mapping={
+                "model": "echo", "status": "queued", "single": "0", "priority": "1",
+                "created_ms": str(now), "expires_ms": str(now + 60_000), "attempts": "0",
+                "inputs": orjson.dumps([window(4)] * 5)})
+            look.xadd("vega:{echo}:jobs", {"id": job_id})
+            final = await until_final(client, job_id)
+            assert final["status"] == "failed", final
+            assert final["error"]["code"] == "invalid_input"
+            fits = await submit(client, {"instances": [window(4)] * 4})
+            assert (await until_final(client, fits.json()["id"]))["status"] == "done"
+    finally:
+        look.close()
+        server.stop()
+    assert f"job {job_id} of echo: inputs refused" in caplog.text
+
+
 async def test_a_store_outage_is_logged_when_it_begins_and_ends_not_every_retry(
         tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     server = RedisServer(tmp_path).start()

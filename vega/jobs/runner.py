@@ -163,14 +163,20 @@ class JobRunner:
                                                       "message": message}))
             return
         try:
+            most = self.lane.settings.max_instances
+            if len(instances) > most:  # a record no submit here wrote: not all queued at once
+                raise VegaError("invalid_input", f"more than {most} instances")
             decoded = decode_all(self.adapter, instances)
         except VegaError as error:
             if job.attempts < self.lane.max_attempts:
                 # Its inputs passed the check at submit: this process's model takes other
-                # windows than the submitter's (vega_min_length, say), and another may run it.
+                # windows than the submitter's (vega_min_length, say), or fewer instances,
+                # and another may run it.
                 self.lane.metrics.jobs_retried.labels(self.model).inc()
                 self._spawn(self.lane.store.retry(job))
             else:
+                log.warning("job %s of %s: inputs refused at each attempt: %s", job.id,
+                            self.model, error.code)
                 self._spawn(self._end(job, FAILED, error={"code": "invalid_input",
                                                           "message": error.message}))
             return
