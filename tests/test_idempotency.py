@@ -269,6 +269,36 @@ async def test_an_answer_redis_did_not_take_is_offered_again_once_it_answers(
             await store.redis.close()
 
 
+@pytest.mark.parametrize("record", [
+    b"not json", b"[1]",
+    orjson.dumps({"fp": "fp", "state": "done", "reply": "x"}),
+    orjson.dumps({"fp": "fp", "state": "done", "reply": {
+        **OK.encode(), "headers": {"X-Evil": "a\r\nSet-Cookie: session=theirs"}}}),
+    orjson.dumps({"fp": "fp", "state": "done", "reply": {**OK.encode(), "status": 1000}}),
+])
+async def test_a_shared_record_vega_did_not_write_is_a_logged_500_not_a_replay(
+        redis_server: RedisServer, record: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """Another program's value under a key's record: refused, never replayed (an HTTP
+    server refuses such a status or header: an error escaping the request stack), nor
+    the key's model run again (its first attempt may have run)."""
+    store = Idempotency(60, 10, Metrics(), SideRedis(redis_server.url, 0.5))
+    look = redis.Redis.from_url(redis_server.url)
+    try:
+        first = await store.claim("m", "k", "fp", asyncio.get_running_loop().time() + 1)
+        assert first.redis_key and first.replay is None
+        await store.finish(first, None)  # forgotten here; the record is then replaced
+        look.set(first.redis_key, record, px=60_000)
+        with pytest.raises(VegaError) as refused:
+            await store.claim("m", "k", "fp", asyncio.get_running_loop().time() + 1)
+        assert refused.value.code == "internal_error"
+        assert "is not one Vega wrote" in caplog.text
+    finally:
+        look.close()
+        await store.close()
+        assert store.redis is not None
+        await store.redis.close()
+
+
 async def test_an_answer_never_replaces_a_lock_a_peer_holds(
         redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A SET NX that timed out without landing: a peer then takes the lock and runs too.

@@ -9,6 +9,7 @@ the runtime) see only these, so they work the same for every protocol.
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -84,6 +85,20 @@ class Reply:
         return Reply(self.status, self.body,
                      {k: v for k, v in self.headers.items() if k.lower() not in drop},
                      self.outcome, self.media_type)
+
+
+# A header's name (an HTTP token) and value (no control character but tab): the HTTP
+# server refuses to write any other, and the request gets a 500 in its place.
+_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
+
+
+def sendable(reply: Reply) -> bool:
+    """Whether a reply read back from Redis (``Reply.decode``) can be sent as it is: a
+    status and headers an HTTP server writes. Another program may have written it."""
+    return 200 <= reply.status <= 599 and all(
+        _NAME.fullmatch(name) is not None and _VALUE.fullmatch(text) is not None
+        and text.isascii() for name, text in reply.headers.items())
 
 
 class Dialect(Protocol):

@@ -19,14 +19,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from vega.calls import Reply
+from vega.calls import Reply, sendable
 from vega.channel.client import SideRedis, Unavailable
 from vega.channel.keys import cache_entry_key
 from vega.config import Settings
@@ -170,12 +169,6 @@ class ResponseCache:
             await asyncio.gather(*self._writes, return_exceptions=True)
 
 
-# A header's name (an HTTP token) and value (no control character but tab): the HTTP
-# server refuses to write any other, and the request gets a 500 in its place.
-_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
-
-
 def _an_answer(value: bytes) -> bool:
     """Whether a value read from the shared tier is a 200 reply as ``put`` writes it:
     anything else there (written by another program, or cut short) would be answered
@@ -184,9 +177,7 @@ def _an_answer(value: bytes) -> bool:
         reply = Reply.decode(orjson.loads(value))
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         return False
-    return reply.status == 200 and all(
-        _NAME.fullmatch(name) and _VALUE.fullmatch(text) and text.isascii()
-        for name, text in reply.headers.items())
+    return reply.status == 200 and sendable(reply)
 
 
 def models_to_cache(settings: Settings, adapters: Mapping[str, ModelAdapter]) -> list[str]:

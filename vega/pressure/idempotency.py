@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import re
 from collections import OrderedDict
@@ -33,12 +34,14 @@ from typing import Any
 
 import orjson
 
-from vega.calls import Reply
+from vega.calls import Reply, sendable
 from vega.channel.client import Client, SideRedis, Unavailable
 from vega.channel.keys import idempotency_key
 from vega.errors import VegaError, invalid_input
 from vega.httpio import kept
 from vega.metrics import Metrics
+
+log = logging.getLogger("vega.pressure.idempotency")
 
 KEY_PATTERN = re.compile(r'"?([\x21\x23-\x7e]{1,255})"?')  # sf-string content, quotes optional
 # Answers that a retry of the same body would get again; 202: the job a refusal became
@@ -228,11 +231,11 @@ class Idempotency:
                 return None
             if raw is None:
                 continue  # released or expired between SET and GET: try again
-            doc = orjson.loads(raw)
+            doc = _record(raw, rkey)
             if doc.get("fp") != print_:
                 raise conflict()
             if doc.get("state") == "done":
-                return Reply.decode(doc["reply"])
+                return _replay(doc, rkey)
             if loop.time() + pause >= deadline:
                 raise _still_running()
             await asyncio.sleep(pause)
@@ -288,6 +291,34 @@ async def _wait(answer: asyncio.Future[Reply | None], deadline: float) -> None:
         await asyncio.wait({answer}, timeout=remaining)
     if not answer.done():
         raise _still_running()
+
+
+def _record(raw: Any, rkey: str) -> dict[str, Any]:
+    """A key's shared record; 500 (logged) where it is none that Vega wrote."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise _unreadable(rkey)
+    return doc
+
+
+def _replay(doc: dict[str, Any], rkey: str) -> Reply:
+    """A record's answer, if it is one this process could send (not run again: the first
+    attempt's effects stand)."""
+    try:
+        reply = Reply.decode(doc["reply"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise _unreadable(rkey) from None
+    if reply.status not in REMEMBERED or not sendable(reply):
+        raise _unreadable(rkey)
+    return reply
+
+
+def _unreadable(rkey: str) -> VegaError:
+    log.warning("idempotency record %s in Redis is not one Vega wrote", rkey)
+    return VegaError("internal_error", "this Idempotency-Key's shared record cannot be read")
 
 
 def _still_running() -> VegaError:
