@@ -768,6 +768,38 @@ async def test_a_peer_s_beat_with_spare_threads_that_are_no_count_lends_nothing(
         await client.aclose()
 
 
+async def test_beats_of_another_type_or_size_are_refused_alone(
+        runtime: Runtime, redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A registered node whose key is not a hash failed the whole read of the beats: no
+    peer was known and an error was logged at every beat. A 2-MB beat was parsed at
+    every beat and shown whole in /v1/status."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    beat: dict[Any, Any] = {
+        "time_ms": int(time.time() * 1000), "stealing": 1, "models": b'["echo"]',
+        "identity": b'{"echo": "1"}', "depth": b"{}", "service_rate": b"{}", "inflight": 0,
+        "spare": b'{"echo": 1}'}
+    names = ("fine", "huge", "text")
+    try:
+        await client.hset(node_key("fine"), mapping={**beat, "node": "fine"})
+        await client.hset(node_key("huge"), mapping={
+            **beat, "node": "huge", "depth": orjson.dumps({"x": "y" * 2_000_000})})
+        await client.set(node_key("text"), b"not a beat")
+        await client.zadd(NODES, {name: int(time.time() * 1000) for name in names})
+        streams = runtime.streams
+        assert streams is not None
+        for _ in range(100):  # the next beat (every 100 ms here) reads them
+            if streams.peers:
+                break
+            await asyncio.sleep(0.02)
+        assert [peer["node"] for peer in streams.peers] == ["fine"]
+        assert streams.lent("echo") == 1
+        assert "2 peer heartbeat(s) in Redis refused" in caplog.text
+    finally:
+        await client.delete(*(node_key(name) for name in names))
+        await client.zrem(NODES, *names)
+        await client.aclose()
+
+
 async def test_a_process_that_stops_leaves_no_consumer_name_behind(
         redis_server: RedisServer) -> None:
     # Restarts under new names (the default VEGA_NODE_ID is host-pid) would otherwise

@@ -36,6 +36,7 @@ class Peers:
         self._handed_off = handed_off  # our batches waiting on peers now
         self.live: list[dict[str, Any]] = []
         self._doubted: dict[str, Any] = {}  # node -> the beat (its time_ms) not believed
+        self._refused = 0  # beats read and not believed, at the last beat
 
     def lent(self, model: str) -> float:
         """Executor threads the live peers can lend for ``model`` (0 when Redis is away)."""
@@ -109,8 +110,15 @@ class Peers:
         async with link.cmd.pipeline(transaction=False) as pipe:
             for other in others:
                 pipe.hgetall(node_key(other))
-            states = await pipe.execute() if others else []
+            # A key of another type (WRONGTYPE) fails only its own beat, not every peer's.
+            states = await pipe.execute(raise_on_error=False) if others else []
         self.live = [peer for peer in map(_peer, states) if peer is not None]
+        refused = sum(1 for state in states if state) - len(self.live)  # not expired: refused
+        if refused != self._refused:  # said when it changes, not at every beat
+            self._refused = refused
+            if refused:
+                log.warning("%d peer heartbeat(s) in Redis refused: not what Vega writes, "
+                            "or over %d bytes", refused, MAX_BEAT_BYTES)
         for peer in self.live:  # what took a peer's process down, with the same model
             for model, digests in peer["quarantined"].items():
                 if model in link.identities and \
@@ -130,12 +138,15 @@ class Peers:
             pass
 
 
-def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
+def _peer(state: dict[bytes, bytes] | Exception) -> dict[str, Any] | None:
     """A heartbeat as /v1/status shows it; None if it expired or does not parse.
 
     Every request's admission sums ``spare`` (``lent``): a value that is not a finite,
     non-negative number (a string raises there, a negative one can zero a share that is
     divided by) is dropped here, as are models and identities of the wrong type."""
+    if not isinstance(state, dict) or sum(len(value) for value in state.values()) > \
+            MAX_BEAT_BYTES:
+        return None  # parsed at every beat and shown in /v1/status: a peer's is a few KB
     try:
         beat_ms = int(state[b"time_ms"])
         models = orjson.loads(state[b"models"])
@@ -157,6 +168,7 @@ def _peer(state: dict[bytes, bytes]) -> dict[str, Any] | None:
         return None
 
 
+MAX_BEAT_BYTES = 1 << 20
 MAX_SPARE = 4096  # threads a peer may lend a model: past it, a beat is not believed
 
 
