@@ -119,6 +119,9 @@ async def test_inference_paths_answer_only_post_and_real_paths(sensor: httpx.Asy
         assert answer.status_code == 404 and error_of(answer) == "not_found", path
     v2 = await sensor.get("/v2/models/sensor/nope")  # the protocol's own error shape
     assert v2.status_code == 404 and v2.json()["error"].startswith("not_found: ")
+    root = await sensor.post("/v2")  # the server metadata route: a v2 path too
+    assert root.status_code == 405 and root.json()["error"].startswith("method_not_allowed: ")
+    assert set(root.headers["allow"].split(", ")) == {"GET", "HEAD"}
     jobs = await sensor.put("/v1/jobs/abc")
     assert jobs.status_code == 405 and set(jobs.headers["allow"].split(", ")) == \
         {"GET", "HEAD", "DELETE"}

@@ -146,7 +146,8 @@ async def _not_routed(request: Request, exc: Exception) -> Response:
     error = VegaError("method_not_allowed" if allowed else "not_found",
                       f"{request.method} {request.url.path[:200]}: "
                       f"{'not a method this path takes' if allowed else 'no such route'}")
-    response = (oip_error_response(error) if request.url.path.startswith("/v2/")
+    path = request.url.path
+    response = (oip_error_response(error) if path == "/v2" or path.startswith("/v2/")
                 else error_response(error))
     response.headers.update(exc.headers or {})  # Allow
     return response
