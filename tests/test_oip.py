@@ -260,6 +260,16 @@ def test_rows_of_several_inputs_from_json_and_binary() -> None:
         assert [(spec.name, binary) for spec, binary in request.outputs] == [("score", False)]
 
 
+def test_an_empty_outputs_list_asks_for_every_output() -> None:
+    # As when it is left out (Triton's rule), not an answer with no outputs after a model run.
+    inputs = [{"name": "ids", "shape": [1, 1], "datatype": "INT64", "data": [1]},
+              {"name": "tag", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]}]
+    for binary in (False, True):
+        request = parse({"inputs": inputs, "outputs": [],
+                         "parameters": {"binary_data_output": binary}})
+        assert [(spec.name, flag) for spec, flag in request.outputs] == [("score", binary)]
+
+
 @pytest.mark.parametrize("doc, message", [
     ({"inputs": [{"name": "ids", "shape": [1, 2], "datatype": "INT64", "data": [1.5, 2]}]},
      "not INT64 values"),

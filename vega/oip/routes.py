@@ -370,10 +370,10 @@ def _requested_outputs(requested: Any, params: Mapping[str, Any],
     binary_default = params.get("binary_data_output", False)
     if not isinstance(binary_default, bool):
         raise invalid_input("parameters.binary_data_output must be true or false")
-    if requested is None:
-        return [(spec, binary_default) for spec in adapter.outputs]
-    if not isinstance(requested, list):
+    if requested is not None and not isinstance(requested, list):
         raise invalid_input("'outputs' must be a list")
+    if not requested:  # left out or empty: every output, as Triton answers
+        return [(spec, binary_default) for spec in adapter.outputs]
     specs = {spec.name: spec for spec in adapter.outputs}
     chosen: list[tuple[TensorSpec, bool]] = []
     for tensor in requested:
