@@ -348,3 +348,23 @@ async def test_a_gzip_body_is_read_on_v1_as_on_v2(sensor: httpx.AsyncClient) -> 
     assert outputs_of(packed) == plain
     cut = await post(sensor, gzip.compress(body)[:-4], headers={"Content-Encoding": "gzip"})
     assert cut.status_code == 400 and error_of(cut) == "invalid_json"
+
+
+async def test_a_request_whose_own_batches_outlast_the_interval_is_422_not_a_429(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 256 windows are 8 batches of 40 ms run one after another: the later ones would wait
+    # past the interval in force and be shed at dispatch as a standing queue's, on an idle
+    # server too, so a 429 would send its caller back to the same refusal for ever.
+    monkeypatch.setenv("TEST_SLEEP_MS", "40")
+    async with in_process({}, [echo_model("echo")]) as (client, runtime):
+        interval_s = runtime.models["echo"].batcher.standing_after_s
+        whole = await post(client, {"instances": [window(8)] * 256})
+        assert whole.status_code == 422 and error_of(whole) == "invalid_input", whole.text
+        assert "send fewer per request" in whole.json()["error"]["message"]
+        assert "retry-after" not in whole.headers
+        # Two batches: the second starts well within the interval, and is served.
+        assert 40e-3 < interval_s
+        fits = await post(client, {"instances": [window(8)] * 64})
+        assert fits.status_code == 200, fits.text
+        critical = await post(client, {"instances": [window(8)] * 256, "priority": "critical"})
+        assert critical.status_code == 200, critical.text  # never shed at dispatch

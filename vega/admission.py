@@ -123,7 +123,7 @@ class Admission:
         ahead_s = self.batcher.backlog_s(priority) / share  # the work served before it
         try:
             self._check_queue_time(priority, buckets, ahead_s, share, now)
-            self._check_deadline(buckets, deadline, ahead_s, now,
+            self._check_deadline(priority, buckets, deadline, ahead_s, now,
                                  now if arrived is None else arrived)
         except VegaError:
             if self.reach is not None and self.reach.room(model):
@@ -197,8 +197,8 @@ class Admission:
             raise VegaError(code, reason,
                             retry_after_ms=max(MIN_RETRY_MS, 1000 * (ahead_s - target)))
 
-    def _check_deadline(self, buckets: Sequence[int], deadline: float, ahead_s: float,
-                        now: float, arrived: float) -> None:
+    def _check_deadline(self, priority: int, buckets: Sequence[int], deadline: float,
+                        ahead_s: float, now: float, arrived: float) -> None:
         batcher = self.batcher
         finish = now + ahead_s + self.config.margin_s
         size = batcher.config.max_batch_size
@@ -212,6 +212,13 @@ class Admission:
             if mine > size:  # the full batches its own items need past that one, in turn
                 own_s += (mine - 1) // size * batcher.times.predict(bucket, size)
         own_s /= batcher.config.parallelism
+        if own_s > batcher.standing_after_s and priority != CRITICAL:
+            # Its own later batches would wait past the interval and be shed at dispatch as
+            # a standing queue's, on an idle server too: no retry could serve it whole.
+            raise NeverFits("invalid_input", f"{len(buckets)} instances queue {1000 * own_s:.0f}"
+                            f" ms behind their own batches, more than a "
+                            f"{PRIORITY_NAMES[priority]} request may wait "
+                            f"({1000 * batcher.standing_after_s:.0f} ms): send fewer per request")
         if finish + worst + own_s <= deadline:
             return
         # On an idle server from its arrival: past the deadline even then, no retry would
