@@ -34,6 +34,9 @@ PRELOAD = ("torch", "numpy", "starlette.applications", "uvicorn", "uvloop", "htt
 # -- the fork server (its own process) ---------------------------------------------
 
 def main() -> None:
+    # A Ctrl-C reaches the whole process group: the servers stop on it, and this process
+    # stays to report their exits (it ends when the test process closes its pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in PRELOAD:
         __import__(name)
     requests, replies = sys.stdin.fileno(), sys.stdout.fileno()
@@ -68,6 +71,7 @@ def main() -> None:
 def _child(request: dict[str, Any], requests: int, replies: int) -> None:
     """Become `vega <argv>` with the request's environment, directory and log; never return."""
     code = 1
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh `vega` has it
     try:
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) \
             if request["log"] else os.open(os.devnull, os.O_WRONLY)
