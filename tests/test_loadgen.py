@@ -449,6 +449,31 @@ async def test_ctrl_c_while_answers_are_awaited_ends_the_run_and_writes_its_repo
     assert summary["sent"] == 10 and summary["ok"] == 0, summary
 
 
+async def test_ctrl_c_ends_a_callers_run_and_its_report_says_so(tmp_path: Path) -> None:
+    # `vega bench --callers` took no Ctrl-C: it ended in a traceback and wrote no report.
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from vega.lab import callers
+
+    async def infer(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({"outputs": [0.0]})
+
+    sock = tmp_path / "infer.sock"
+    async with serving(Starlette(routes=[Route("/v1/infer", infer, methods=["POST"])]), sock):
+        options = traffic.resolve({"url": "http://callers", "uds": str(sock),
+                                   "duration_s": 600.0, "mix": "normal=1", "seed": 1})
+        asyncio.get_running_loop().call_later(1.0, os.kill, os.getpid(), signal.SIGINT)
+        report = await asyncio.wait_for(callers.drive(options, 2, polite=True), 30)
+    meta, summary = report["meta"], report["summary"]
+    assert meta["interrupted"] and meta["unfinished"] == 0 and meta["calling_s"] < 30
+    assert summary["calls"]["ok"] >= 1 and summary["ok_per_s"] > 0
+    assert "(Ctrl-C after" in callers.format_summary(report)
+
+
 async def test_a_target_whose_metrics_are_not_prometheus_text_still_gets_a_report(
         tmp_path: Path) -> None:
     from starlette.applications import Starlette

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
+import signal
 import sys
 import time
 from collections import Counter
@@ -77,7 +79,7 @@ class Tally:
         lat = np.array(self.latencies_s) * 1000
         ok = len(self.latencies_s)
         return {"meta": meta, "summary": {
-            "ok_per_s": round(self.ok_in_window / window_s, 1),
+            "ok_per_s": round(self.ok_in_window / max(window_s, 1e-9), 1),
             "p50_ms": round(float(np.percentile(lat, 50)), 1) if ok else None,
             "p99_ms": round(float(np.percentile(lat, 99)), 1) if ok else None,
             "attempts": self.attempts, "attempts_per_ok": round(self.attempts / ok, 2) if ok
@@ -135,7 +137,21 @@ async def drive(options: dict[str, Any], callers: int, polite: bool) -> dict[str
     tally.stop_at = start + duration_s
     tasks = [asyncio.ensure_future(caller(c, polite, kinds, n * 7, tally))
              for n, c in enumerate(clients)]
-    _, late = await asyncio.wait(tasks, timeout=duration_s + max(deadlines.values()) + SETTLE_S)
+    interrupted = asyncio.Event()
+
+    def interrupt() -> None:
+        """Ctrl-C: no new calls; the report covers the calls made until now."""
+        tally.stop_at = min(tally.stop_at, time.monotonic())
+        interrupted.set()
+
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(RuntimeError, NotImplementedError, ValueError):
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+    try:
+        _, late = await asyncio.wait(
+            tasks, timeout=duration_s + max(deadlines.values()) + SETTLE_S)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
     for task in late:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -143,6 +159,7 @@ async def drive(options: dict[str, Any], callers: int, polite: bool) -> dict[str
     await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
     meta = {"url": options["url"], "callers": callers, "client": "polite" if polite else "naive",
             "duration_s": duration_s, "elapsed_s": round(elapsed, 2),
+            "interrupted": interrupted.is_set(), "calling_s": round(tally.stop_at - start, 3),
             "deadline_ms": options["deadline_ms"], "mix": options["mix"],
             "lengths": options["lengths"], "unfinished": len(late),
             "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
@@ -151,7 +168,8 @@ async def drive(options: dict[str, Any], callers: int, polite: bool) -> dict[str
 
 def format_summary(report: dict[str, Any]) -> str:
     s, m = report["summary"], report["meta"]
-    return (f"{m['callers']} {m['client']} callers, {m['duration_s']:g} s: "
+    stopped = f" (Ctrl-C after {m['calling_s']:g} s)" if m["interrupted"] else ""
+    return (f"{m['callers']} {m['client']} callers, {m['duration_s']:g} s{stopped}: "
             f"{s['ok_per_s']} 200s/s, p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms, "
             f"{s['attempts_per_ok']} attempts per 200\n"
             f"  refused attempts: {s['refusals'] or 'none'}\n  calls: {s['calls']}")
