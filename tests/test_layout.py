@@ -155,3 +155,12 @@ def test_vega_serve_runs_without_the_lab(vega: Callable[..., VegaProcess],
     attempts = blocker / "sitecustomize.py.attempts"
     assert attempts.exists()  # the blocker was loaded in the server
     assert attempts.read_text() == ""
+
+
+def test_every_script_is_run_by_bash_and_its_python_is_the_checkouts() -> None:
+    # scripts/bench_oip and bench_pressure ran under the system's python3, without Vega's
+    # packages: each Python script is a .py file run by a bash wrapper with .venv's python.
+    for script in sorted(p for p in (ROOT / "scripts").iterdir() if p.stat().st_mode & 0o111):
+        text = script.read_text()
+        assert text.startswith("#!/usr/bin/env bash\n"), script.name
+        assert "python" not in text or ".venv/bin/python" in text, script.name
