@@ -1,0 +1,30 @@
+"""The operator's scripts leave nothing behind when a Ctrl-C stops them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from tests.infra import require
+from tests.servers import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ctrl_c_during_bench_overflow_removes_its_folder(tmp_path: Path) -> None:
+    # Its folder of sockets, logs and wrk scripts was left in /tmp, Ctrl-C or not.
+    require("redis-server")
+    run = subprocess.Popen([str(ROOT / "scripts" / "bench-overflow"), "1", "8"],
+                           env={**os.environ, "TMPDIR": str(tmp_path)}, start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: any(tmp_path.glob("vega-bench.*/critical.lua")), 30, "its folder")
+        os.killpg(run.pid, signal.SIGINT)  # what a Ctrl-C sends
+        run.wait(60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    assert list(tmp_path.iterdir()) == []
