@@ -73,9 +73,14 @@ def main() -> int:
                  str(STEADY), "--duration-s", str(args.seconds), "--lengths", "64",
                  "--mix", "normal=1", "--out", out, "--no-progress", "--honor-retry-after"],
                 cwd=ROOT, stdout=subprocess.DEVNULL)
-            time.sleep(args.seconds / 3)
-            answers = asyncio.run(burst(args.burst, args.seconds))
-            steady.wait(args.seconds + 120)
+            try:
+                time.sleep(args.seconds / 3)
+                answers = asyncio.run(burst(args.burst, args.seconds))
+                steady.wait(args.seconds + 120)
+            finally:  # stopped early (Ctrl-C): it must not write into the folder once removed
+                if steady.poll() is None:
+                    steady.kill()
+                    steady.wait()
             report: dict[str, Any] = json.loads((Path(out) / "report.json").read_text())
     finally:
         server.terminate()
