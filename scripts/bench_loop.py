@@ -150,6 +150,10 @@ def main() -> int:
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions per request under callgrind instead")
     options = parser.parse_args()
+    if options.requests is not None and options.requests < CALLERS:
+        parser.error(f"requests: at least {CALLERS}, one a caller (not {options.requests})")
+    if options.rounds < 1:
+        parser.error(f"--rounds: at least 1 (not {options.rounds})")
     if options.instructions:
         count_instructions(options.requests or 1280)
         return 0

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.infra import require
 from tests.servers import wait_until
@@ -28,3 +31,14 @@ def test_ctrl_c_during_bench_overflow_removes_its_folder(tmp_path: Path) -> None
             os.killpg(run.pid, signal.SIGKILL)
             run.wait()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, message", [(["10"], "requests: at least 64"),
+                                           (["--rounds", "0"], "--rounds: at least 1")])
+def test_bench_loop_refuses_too_few_requests_or_rounds_in_one_line(
+        argv: list[str], message: str) -> None:
+    # 10 requests divided by zero after the warm-up; 0 rounds took the median of nothing.
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_loop.py"), *argv],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
