@@ -39,7 +39,7 @@ def start(ports: list[int]) -> list[subprocess.Popen[bytes]]:
     try:
         for proc, port in zip(procs, ports):
             ready(proc, port)
-    except RuntimeError:
+    except BaseException:  # not ready, or a Ctrl-C: none of them is left running
         stop(procs)
         raise
     return procs
@@ -84,7 +84,9 @@ def main() -> int:
     steps: list[dict[str, Any]] = []
     for n in (int(p) for p in options.procs.split(",")):
         step = run(n, options.seconds, options.connections, options.lengths, out)
-        step["vs_one"] = round(step["ok_rate"] / steps[0]["ok_rate"], 2) if steps else 1.0
+        one = next((s["ok_rate"] for s in steps + [step] if s["procs"] == 1), None)
+        if one:  # only against a step of one process: --procs 2,4 has none
+            step["vs_one"] = round(step["ok_rate"] / one, 2)
         step["vs_module_alone"] = round(step["ok_rate"] / alone, 2)
         steps.append(step)
         print(json.dumps(step))
