@@ -430,6 +430,11 @@ async def main() -> int:
     print(f"wrote {logs / 'results.json'}")
     bad = [c for r in rounds for c in r.values()
            if c["lost"] or c["not_done"] or c.get("killed") is False]
+    if any(c["lost"] or c["not_done"] for c in bad):
+        print("bench-jobs: a job was lost or never ended", file=sys.stderr)
+    if any(c.get("killed") is False for c in bad):
+        print("bench-jobs: no job backlog to kill a process in (the burst fit the two "
+              "processes' capacity: raise --rate)", file=sys.stderr)
     return 1 if bad else 0
 
 
