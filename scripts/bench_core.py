@@ -194,21 +194,28 @@ def spawn(port: int, **env: str) -> subprocess.Popen[bytes]:
 def ready(proc: subprocess.Popen[bytes], port: int) -> subprocess.Popen[bytes]:
     """``proc`` once its /readyz answers 200 and its model processes' standbys have
     imported torch (a second of CPU after warm-up, not to land in the first phase);
-    killed after a minute without."""
-    for _ in range(600):
+    killed after a minute without, or when the wait is cut short (a Ctrl-C)."""
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    executor = httpx.get(f"http://127.0.0.1:{port}/v1/status",
+                                         timeout=5).json()["executor"]
+                    for pid in executor.get("standby_pids", []):
+                        if pid is not None:
+                            _settled(pid)
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server did not become ready")
+    except BaseException:
+        proc.terminate()  # SIGTERM: the server stops its model processes too
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                executor = httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=5).json()[
-                    "executor"]
-                for pid in executor.get("standby_pids", []):
-                    if pid is not None:
-                        _settled(pid)
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
 
 
 def _settled(pid: int, timeout_s: float = 15.0) -> None:

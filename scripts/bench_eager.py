@@ -171,10 +171,15 @@ class Server:
         self.peer_port = peer_port
         named = {"VEGA_NODE_ID": "A"} if peer_port is not None else {}
         self.proc = serve(port, **{"VEGA_MODEL": MODEL, **env, **named})
-        # The peer: same settings, never loaded; it runs what the first sends it.
-        self.peer = None if peer_port is None else serve(
-            peer_port, **{"VEGA_MODEL": MODEL, **env, "VEGA_NODE_ID": "B"})
-        self.status: dict[str, Any] = json.loads(_get(port, "/v1/status"))
+        self.peer: subprocess.Popen[bytes] | None = None
+        try:
+            # The peer: same settings, never loaded; it runs what the first sends it.
+            if peer_port is not None:
+                self.peer = serve(peer_port, **{"VEGA_MODEL": MODEL, **env, "VEGA_NODE_ID": "B"})
+            self.status: dict[str, Any] = json.loads(_get(port, "/v1/status"))
+        except BaseException:  # the peer not ready, or a Ctrl-C: the first is stopped too
+            self.stop()
+            raise
         self.kids = children(self.proc.pid)
         self.peer_kids = [] if self.peer is None else children(self.peer.pid)
         self.slices: list[tuple[dict[str, Any], float, dict[str, Any]]] = []

@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,3 +56,34 @@ def test_gpu_check_without_a_gpu_says_so_and_what_to_run_instead(tmp_path: Path)
     assert run.returncode == 1
     assert "torch sees no CUDA device here" in run.stderr
     assert "--device cpu runs the same steps" in run.stderr
+
+
+def test_a_ctrl_c_while_a_bench_waits_for_its_server_stops_the_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A SIGINT to the script alone, while a server warmed up, left that server running.
+    import importlib.util
+    import socket
+
+    spec = importlib.util.spec_from_file_location("bench_core", ROOT / "scripts" / "bench_core.py")
+    assert spec is not None and spec.loader is not None
+    bench_core: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_core)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there: never ready
+
+    sleep = time.sleep
+
+    def interrupted(seconds: float) -> None:
+        monkeypatch.setattr(time, "sleep", sleep)  # once: the Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(time, "sleep", interrupted)
+    server = subprocess.Popen(["sleep", "60"])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bench_core.ready(server, port)
+        assert server.poll() is not None
+    finally:
+        server.kill()
+        server.wait()
