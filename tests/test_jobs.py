@@ -581,11 +581,13 @@ async def test_a_burst_of_polls_past_the_redis_pool_waits_for_connections(
         server.stop()
 
 
+@pytest.mark.exclusive  # the loop's own lateness is the point: other tests' load adds to it
 async def test_a_burst_of_submits_at_the_default_timeouts_is_taken_whole(
         tmp_path: Any) -> None:
     # 300 submits at once keep this loop busy for longer than VEGA_REDIS_TIMEOUT_MS (100 ms,
-    # the inline side channel's bound): at that bound some 60 of them got 503 "did not
-    # answer in time". The job store has a bound of its own, VEGA_JOBS_REDIS_TIMEOUT_MS.
+    # the inline side channel's bound): at that bound 62 of them got 503 "did not answer
+    # in time". The job store has a bound of its own, VEGA_JOBS_REDIS_TIMEOUT_MS (1 s),
+    # which the loop of a machine shared with other tests' servers can outrun too.
     server = RedisServer(tmp_path).start()
     try:
         async with served(VEGA_REDIS_URL=server.url) as (client, runtime, _):
