@@ -93,12 +93,17 @@ _NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 
 
-def sendable(reply: Reply) -> bool:
-    """Whether a reply read back from Redis (``Reply.decode``) can be sent as it is: a
-    status and headers an HTTP server writes. Another program may have written it."""
-    return 200 <= reply.status <= 599 and all(
+def stored_reply(doc: Any) -> Reply | None:
+    """A reply read back from Redis (``Reply.encode``'s form), or None where it is none
+    that Vega wrote or one no HTTP server would send: another program may have written it."""
+    try:
+        reply = Reply.decode(doc)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    sendable = 200 <= reply.status <= 599 and all(
         _NAME.fullmatch(name) is not None and _VALUE.fullmatch(text) is not None
         and text.isascii() for name, text in reply.headers.items())
+    return reply if sendable else None
 
 
 class Dialect(Protocol):

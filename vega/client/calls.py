@@ -23,6 +23,7 @@ from vega.client.errors import (
     DeadlineExceededError,
     JobFailedError,
     ServerError,
+    asked_wait_s,
     retry_after_header,
 )
 from vega.client.retry import Call
@@ -141,19 +142,8 @@ def job_id_of(response: httpx.Response, clock: Callable[[], float]) -> JobId:
     job_id = doc.get("id") if isinstance(doc, dict) else None
     if not isinstance(job_id, str) or not job_id:
         raise ServerError("job answer has no id", status=response.status_code, code="bad_answer")
-    wait_s = _body_wait_s(doc)  # precise, where the header holds whole seconds
-    if wait_s is None:
-        wait_s = _wait_asked(response)
+    wait_s = asked_wait_s(doc, response.headers)
     return JobId(job_id, None if wait_s is None else clock() + wait_s)
-
-
-def _body_wait_s(doc: dict[str, Any]) -> float | None:
-    """The 202 body's ``retry_after_ms`` in seconds; None where it has none usable."""
-    given = doc.get("retry_after_ms")
-    if isinstance(given, bool) or not isinstance(given, (int, float)) or \
-            not math.isfinite(given) or given < 0:
-        return None
-    return given / 1000
 
 
 def _wait_asked(response: httpx.Response) -> float | None:

@@ -7,6 +7,7 @@ Every error carries the HTTP status (None when no answer came), the server's
 from __future__ import annotations
 
 import email.utils
+import math
 import time
 from typing import Any
 
@@ -74,7 +75,7 @@ class JobFailedError(VegaClientError):
 
 def error_from(status: int, headers: Any, body: bytes) -> VegaClientError:
     """The typed error for a non-2xx answer (a Vega error body, or anything a proxy sent)."""
-    code, message, retry_ms = "", "", None
+    code, message = "", ""
     try:
         doc = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
@@ -83,14 +84,9 @@ def error_from(status: int, headers: Any, body: bytes) -> VegaClientError:
     if isinstance(error, dict):
         code = _text(error.get("code"))
         message = _text(error.get("message"))
-        given = error.get("retry_after_ms")
-        if isinstance(given, (int, float)) and not isinstance(given, bool) and given >= 0:
-            retry_ms = float(given)
     if not message:
         message = body[:200].decode(errors="replace").strip() or f"HTTP {status}"
-    # The body's value is precise; the header is whole seconds (DESIGN.md).
-    retry_after_s = retry_ms / 1000 if retry_ms is not None else retry_after_header(
-        headers.get("retry-after"))
+    retry_after_s = asked_wait_s(error, headers)
     kind: type[VegaClientError]
     if status == 429:
         kind = RefusedError
@@ -108,6 +104,16 @@ def error_from(status: int, headers: Any, body: bytes) -> VegaClientError:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
+
+
+def asked_wait_s(doc: Any, headers: Any) -> float | None:
+    """The wait an answer asks for, in seconds: ``doc``'s ``retry_after_ms`` (precise),
+    else the ``Retry-After`` header (whole seconds, DESIGN.md); None if neither is usable."""
+    given = doc.get("retry_after_ms") if isinstance(doc, dict) else None
+    if isinstance(given, (int, float)) and not isinstance(given, bool) and \
+            math.isfinite(given) and given >= 0:
+        return given / 1000
+    return retry_after_header(headers.get("retry-after"))
 
 
 def retry_after_header(value: str | None) -> float | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from vega.calls import Reply, sendable
+from vega.calls import stored_reply
 from vega.channel.client import SideRedis, Unavailable
 from vega.channel.keys import cache_entry_key
 from vega.config import Settings
@@ -174,10 +174,10 @@ def _an_answer(value: bytes) -> bool:
     anything else there (written by another program, or cut short) would be answered
     from this process's own tier until evicted, each time as a 500."""
     try:
-        reply = Reply.decode(orjson.loads(value))
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        reply = stored_reply(orjson.loads(value))
+    except orjson.JSONDecodeError:
         return False
-    return reply.status == 200 and sendable(reply)
+    return reply is not None and reply.status == 200
 
 
 def models_to_cache(settings: Settings, adapters: Mapping[str, ModelAdapter]) -> list[str]:

@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from vega.calls import Reply, sendable
+from vega.calls import Reply, stored_reply
 from vega.channel.client import Client, SideRedis, Unavailable
 from vega.channel.keys import idempotency_key
 from vega.errors import VegaError, invalid_input
@@ -307,11 +307,8 @@ def _record(raw: Any, rkey: str) -> dict[str, Any]:
 def _replay(doc: dict[str, Any], rkey: str) -> Reply:
     """A record's answer, if it is one this process could send (not run again: the first
     attempt's effects stand)."""
-    try:
-        reply = Reply.decode(doc["reply"])
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise _unreadable(rkey) from None
-    if reply.status not in REMEMBERED or not sendable(reply):
+    reply = stored_reply(doc.get("reply"))
+    if reply is None or reply.status not in REMEMBERED:
         raise _unreadable(rkey)
     return reply
 
